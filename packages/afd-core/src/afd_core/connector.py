@@ -1,0 +1,133 @@
+"""The connector interface every AFD transport implements.
+
+A connector moves one layer's activations between the Attention role and the
+FFN role. It is created per process (one per worker), initialised once
+(collectively, idempotently) and closed once (idempotently; closing unblocks
+any receive that is waiting).
+
+Attention side, per layer and micro-batch::
+
+    connector.send_to_ffn(AttentionToFFN(hidden), layer_idx=i, micro_batch_idx=m)
+    ...  # optional overlap point (micro-batching)
+    out = connector.recv_from_ffn(layer_idx=i, micro_batch_idx=m)
+
+FFN side, in a loop::
+
+    batch = connector.recv_from_attention()      # fan-in of all attention peers
+    result = compute(batch.header.layer_idx, batch.payload)
+    connector.send_to_attention(batch, FFNToAttention(result))  # split per peer
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from afd_core.config import AFDConfig, AFDRole
+from afd_core.errors import AFDConfigError
+from afd_core.topology import AFDTopology
+from afd_core.transfer import AttentionToFFN, FFNToAttention, TransferHeader
+
+__all__ = ["AFDConnector", "FFNBatch"]
+
+
+@dataclass(frozen=True, slots=True)
+class FFNBatch:
+    """What the FFN side received for one layer of one micro-batch.
+
+    ``payload`` holds the tokens of every attention peer concatenated in
+    ``peer_ranks`` order; ``token_counts[i]`` tokens came from ``peer_ranks[i]``.
+    ``header.num_tokens`` is the total.
+    """
+
+    header: TransferHeader
+    payload: AttentionToFFN
+    peer_ranks: tuple[int, ...]
+    token_counts: tuple[int, ...]
+
+    @property
+    def layer_idx(self) -> int:
+        return self.header.layer_idx
+
+    @property
+    def micro_batch_idx(self) -> int:
+        return self.header.micro_batch_idx
+
+
+class AFDConnector(abc.ABC):
+    """Base class of all AFD connectors (registered by name, see :mod:`afd_core.registry`)."""
+
+    #: Registry name, e.g. ``"P2pGlooAFDConnector"``.
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: AFDConfig, *, rank: int) -> None:
+        topology = AFDTopology(config.num_attention_ranks, config.num_ffn_ranks)
+        size = topology.size_of(config.role)
+        if not 0 <= rank < size:
+            raise AFDConfigError(
+                f"connector rank {rank} is outside the {config.role.value} role's "
+                f"ranks 0..{size - 1} (num_{config.role.value}_ranks={size})"
+            )
+        self.config = config
+        self.rank = rank
+        self.topology = topology
+        self.extra_config = self.validate_extra_config(config.connector_extra_config)
+
+    @property
+    def role(self) -> AFDRole:
+        return self.config.role
+
+    @classmethod
+    def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Check ``connector_extra_config``; the default accepts only an empty mapping."""
+        if extra:
+            raise AFDConfigError(
+                f"connector_extra_config: connector {cls.name or cls.__name__!r} takes no extra "
+                f"options, got {sorted(extra)}"
+            )
+        return dict(extra)
+
+    # -- lifecycle -----------------------------------------------------------
+    @abc.abstractmethod
+    def init(self) -> None:
+        """Connect to the peers. Collective over both roles; a second call does nothing."""
+
+    @property
+    @abc.abstractmethod
+    def is_initialized(self) -> bool: ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release resources and unblock pending receives. Idempotent; never hangs."""
+
+    # -- Attention side ------------------------------------------------------
+    @abc.abstractmethod
+    def send_to_ffn(
+        self, payload: AttentionToFFN, *, layer_idx: int, micro_batch_idx: int = 0
+    ) -> None:
+        """Send one layer's A->F payload to this rank's FFN peer."""
+
+    @abc.abstractmethod
+    def recv_from_ffn(
+        self, *, layer_idx: int, micro_batch_idx: int = 0, timeout_s: float | None = None
+    ) -> FFNToAttention:
+        """Receive the F->A result of a payload sent earlier with the same indices."""
+
+    # -- FFN side ------------------------------------------------------------
+    @abc.abstractmethod
+    def recv_from_attention(self, *, timeout_s: float | None = None) -> FFNBatch:
+        """Receive the next layer from every attention peer of this rank, concatenated."""
+
+    @abc.abstractmethod
+    def send_to_attention(self, batch: FFNBatch, result: FFNToAttention) -> None:
+        """Split ``result`` by ``batch.token_counts`` and send each part to its peer."""
+
+    # -- context manager -----------------------------------------------------
+    def __enter__(self) -> AFDConnector:
+        self.init()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,54 @@
+"""Typed errors raised by afd packages.
+
+Every error message says what was expected, what was found and what to change.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AFDError",
+    "AFDConfigError",
+    "AFDConnectorError",
+    "AFDTimeoutError",
+    "AFDPeerLostError",
+    "AFDConnectorClosedError",
+    "AFDTransferMismatchError",
+    "AFDMetadataMissingError",
+    "UnknownConnectorError",
+]
+
+
+class AFDError(Exception):
+    """Base class of every error raised by afd."""
+
+
+class AFDConfigError(AFDError, ValueError):
+    """The ``additional_config["afd"]`` section (or a value derived from it) is invalid."""
+
+
+class UnknownConnectorError(AFDConfigError, LookupError):
+    """No connector is registered under the requested name."""
+
+
+class AFDConnectorError(AFDError, RuntimeError):
+    """A connector failed to move data between the roles."""
+
+
+class AFDTimeoutError(AFDConnectorError, TimeoutError):
+    """A send or receive did not complete within its timeout."""
+
+
+class AFDPeerLostError(AFDConnectorError, ConnectionError):
+    """The peer process went away (exited, crashed or closed its side)."""
+
+
+class AFDConnectorClosedError(AFDConnectorError):
+    """The connector was closed locally; pending and later transfers fail with this."""
+
+
+class AFDTransferMismatchError(AFDConnectorError):
+    """A received message does not match what the receiver expected (layer, shape, dtype...)."""
+
+
+class AFDMetadataMissingError(AFDError, LookupError):
+    """The per-step AFD metadata is not present in vLLM's forward context."""

@@ -1,0 +1,1 @@
+"""Placeholder: completed by the afd-core work (AFDTopology)."""
