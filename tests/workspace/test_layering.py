@@ -1,0 +1,68 @@
+"""The layering contracts in .importlinter really catch forbidden imports."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def lint_imports(src_root: Path) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("lint-imports")
+    if not exe.exists():
+        pytest.fail(f"lint-imports is not installed next to {sys.executable} (dependency group 'lint')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in sorted(src_root.iterdir()))}
+    return subprocess.run(
+        [str(exe), "--config", str(ROOT / ".importlinter"), "--no-cache"],
+        cwd=src_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+@pytest.fixture
+def src_copy(tmp_path: Path) -> Path:
+    """Every package's src/ tree copied to tmp, one folder per package (shadows the installs)."""
+    for pkg in sorted((ROOT / "packages").iterdir()):
+        if (pkg / "src").is_dir():
+            shutil.copytree(pkg / "src", tmp_path / pkg.name, ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+def inject(src_copy: Path, package_folder: str, module: str, line: str) -> None:
+    (src_copy / package_folder / module.replace(".", "/")).with_suffix(".py").write_text(line + "\n")
+
+
+def test_clean_tree_keeps_every_contract(src_copy: Path) -> None:
+    result = lint_imports(src_copy)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("folder", "module", "line", "contract"),
+    [
+        ("afd-core", "afd_core.bad", "import afd_moe_runners", "only lower layers"),
+        ("afd-models-qwen", "afd_models_qwen.bad", "import afd_models_deepseek", "only lower layers"),
+        ("afd-connectors-gpu", "afd_connectors_gpu.bad", "import afd_connectors_npu", "only lower layers"),
+        ("afd-models-deepseek", "afd_models_deepseek.bad", "import afd_connectors_gpu", "only through"),
+        ("afd-core", "afd_core.bad", "import torch", "neither torch nor vLLM"),
+    ],
+)
+def test_forbidden_import_breaks_a_contract(
+    src_copy: Path, folder: str, module: str, line: str, contract: str
+) -> None:
+    inject(src_copy, folder, module, line)
+    result = lint_imports(src_copy)
+    assert result.returncode != 0, result.stdout
+    broken = [ln for ln in result.stdout.splitlines() if ln.rstrip().endswith("BROKEN")]
+    assert any(contract in ln for ln in broken), result.stdout
+    assert module in result.stdout
