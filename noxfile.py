@@ -95,7 +95,12 @@ def test_env(session: nox.Session) -> dict[str, str]:
 def pytest(session: nox.Session, *args: str) -> None:
     # exit code 5 = "no tests collected": a marker selection may legitimately be empty.
     session.run(
-        "python", "-m", "pytest", *args, *session.posargs, env=test_env(session),
+        "python",
+        "-m",
+        "pytest",
+        *args,
+        *session.posargs,
+        env=test_env(session),
         success_codes=[0, 5],
     )
 
@@ -103,7 +108,7 @@ def pytest(session: nox.Session, *args: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Default CPU suite: unit, contract (real vLLM CPU) and end-to-end tests."""
-    sync(session, "--group", "test")
+    sync(session, "--group", "test", "--group", "lint")
     pytest(session, "packages", "tests", "-m", "not gpu and not npu")
 
 
@@ -115,8 +120,16 @@ def tests_gpu(session: nox.Session) -> None:
     )
     if has_cuda:
         session.run_install(
-            "uv", "sync", "--frozen", "--all-packages", "--no-default-groups",
-            "--extra", "cuda", "--group", "test", env=uv_env(session),
+            "uv",
+            "sync",
+            "--frozen",
+            "--all-packages",
+            "--no-default-groups",
+            "--extra",
+            "cuda",
+            "--group",
+            "test",
+            env=uv_env(session),
         )
     else:
         session.log("no CUDA device (nvidia-smi -L failed): gpu tests will report as skipped")
@@ -159,7 +172,8 @@ def core_no_torch(session: nox.Session) -> None:
     """afd-core alone, in a venv without torch or vLLM: import + its unit tests."""
     session.install("./packages/afd-core", "pytest", "pytest-timeout", "hypothesis")
     session.run(
-        "python", "-c",
+        "python",
+        "-c",
         "import importlib.util as u, afd_core; "
         "assert u.find_spec('torch') is None and u.find_spec('vllm') is None, 'heavy deps leaked'; "
         "print('afd_core', afd_core.__version__, 'imported without torch/vllm')",
@@ -173,8 +187,9 @@ def build(session: nox.Session) -> None:
     workspace, and import each package from there."""
     dist = Path(session.create_tmp()) / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    session.run("uv", "build", "--all-packages", "--no-sources", "--out-dir", str(dist),
-                external=True)
+    session.run(
+        "uv", "build", "--all-packages", "--no-sources", "--out-dir", str(dist), external=True
+    )
     wheels = sorted(dist.glob("*.whl"))
     sdists = sorted(dist.glob("*.tar.gz"))
     session.log(f"built {len(wheels)} wheels and {len(sdists)} sdists in {dist}")
@@ -184,8 +199,17 @@ def build(session: nox.Session) -> None:
         venv = Path(outside) / "venv"
         session.run("uv", "venv", "-q", str(venv), external=True)
         py = str(venv / "bin" / "python")
-        session.run("uv", "pip", "install", "-q", "--python", py, "--no-index",
-                    *map(str, wheels), external=True)
+        session.run(
+            "uv",
+            "pip",
+            "install",
+            "-q",
+            "--python",
+            py,
+            "--no-index",
+            *map(str, wheels),
+            external=True,
+        )
         imports = "; ".join(f"import {mod}" for _, mod in PACKAGES.values())
         check = (
             f"{imports}; import sys; "
@@ -193,7 +217,13 @@ def build(session: nox.Session) -> None:
             f"{sorted({m for _, m in PACKAGES.values()})!r}]; "
             "print('imported', len(mods), 'modules from', sys.prefix)"
         )
-        session.run(py, "-c", check, external=True, env={"PYTHONPATH": ""}, )
+        session.run(
+            py,
+            "-c",
+            check,
+            external=True,
+            env={"PYTHONPATH": ""},
+        )
 
 
 @nox.session

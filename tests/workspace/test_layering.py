@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def lint_imports(src_root: Path) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).with_name("lint-imports")
     if not exe.exists():
-        pytest.fail(f"lint-imports is not installed next to {sys.executable} (dependency group 'lint')")
+        pytest.fail(
+            f"lint-imports is not installed next to {sys.executable} (dependency group 'lint')"
+        )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in sorted(src_root.iterdir()))}
     return subprocess.run(
         [str(exe), "--config", str(ROOT / ".importlinter"), "--no-cache"],
@@ -33,12 +35,16 @@ def src_copy(tmp_path: Path) -> Path:
     """Every package's src/ tree copied to tmp, one folder per package (shadows the installs)."""
     for pkg in sorted((ROOT / "packages").iterdir()):
         if (pkg / "src").is_dir():
-            shutil.copytree(pkg / "src", tmp_path / pkg.name, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(
+                pkg / "src", tmp_path / pkg.name, ignore=shutil.ignore_patterns("__pycache__")
+            )
     return tmp_path
 
 
 def inject(src_copy: Path, package_folder: str, module: str, line: str) -> None:
-    (src_copy / package_folder / module.replace(".", "/")).with_suffix(".py").write_text(line + "\n")
+    (src_copy / package_folder / module.replace(".", "/")).with_suffix(".py").write_text(
+        line + "\n"
+    )
 
 
 def test_clean_tree_keeps_every_contract(src_copy: Path) -> None:
@@ -51,9 +57,24 @@ def test_clean_tree_keeps_every_contract(src_copy: Path) -> None:
     ("folder", "module", "line", "contract"),
     [
         ("afd-core", "afd_core.bad", "import afd_moe_runners", "only lower layers"),
-        ("afd-models-qwen", "afd_models_qwen.bad", "import afd_models_deepseek", "only lower layers"),
-        ("afd-connectors-gpu", "afd_connectors_gpu.bad", "import afd_connectors_npu", "only lower layers"),
-        ("afd-models-deepseek", "afd_models_deepseek.bad", "import afd_connectors_gpu", "only through"),
+        (
+            "afd-models-qwen",
+            "afd_models_qwen.bad",
+            "import afd_models_deepseek",
+            "only lower layers",
+        ),
+        (
+            "afd-connectors-gpu",
+            "afd_connectors_gpu.bad",
+            "import afd_connectors_npu",
+            "only lower layers",
+        ),
+        (
+            "afd-models-deepseek",
+            "afd_models_deepseek.bad",
+            "import afd_connectors_gpu",
+            "only through",
+        ),
         ("afd-core", "afd_core.bad", "import torch", "neither torch nor vLLM"),
     ],
 )
