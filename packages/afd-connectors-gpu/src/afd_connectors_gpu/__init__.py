@@ -1,5 +1,42 @@
-"""Point-to-point AFD connector over torch.distributed: NCCL on CUDA GPUs, gloo on CPU."""
+"""Point-to-point AFD connectors: NCCL on CUDA GPUs, gloo on CPU, shared memory on one host.
+
+Importing this package imports neither torch nor vLLM; the connector classes are
+loaded on first attribute access (and torch on ``init()``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from afd_connectors_gpu._version import __version__
 
-__all__ = ["__version__"]
+if TYPE_CHECKING:
+    from afd_connectors_gpu.p2p import (
+        P2pAFDConnector,
+        P2pGlooAFDConnector,
+        P2pNcclAFDConnector,
+    )
+    from afd_connectors_gpu.shm import P2pShmAFDConnector
+
+__all__ = [
+    "__version__",
+    "P2pAFDConnector",
+    "P2pGlooAFDConnector",
+    "P2pNcclAFDConnector",
+    "P2pShmAFDConnector",
+]
+
+_LAZY = {
+    "P2pAFDConnector": "afd_connectors_gpu.p2p",
+    "P2pGlooAFDConnector": "afd_connectors_gpu.p2p",
+    "P2pNcclAFDConnector": "afd_connectors_gpu.p2p",
+    "P2pShmAFDConnector": "afd_connectors_gpu.shm",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'afd_connectors_gpu' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

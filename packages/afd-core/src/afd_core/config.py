@@ -1,25 +1,44 @@
 """``additional_config["afd"]``: parsed and validated into a frozen :class:`AFDConfig`.
 
-(Field set fixed here; parsing/validation details are completed in this module.)
+Users set every AFD option through vLLM's ``--additional-config '{"afd": {...}}'``.
+:meth:`AFDConfig.from_additional_config` reads that section, accepts the key
+names of the upstream plugin as aliases (``afd_role``, ``afd_port``...), rejects
+unknown keys with a "did you mean" hint, and validates every value with a
+one-line :class:`~afd_core.errors.AFDConfigError` that names the field, the
+value given and what is allowed. The same checks run when an :class:`AFDConfig`
+is built directly, so an instance is always valid.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import enum
+import hashlib
+import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["AFDRole", "RoutingPayload", "AFDConfig"]
+from afd_core.errors import AFDConfigError
+
+if TYPE_CHECKING:
+    from afd_core.topology import AFDTopology
+
+__all__ = ["ADDITIONAL_CONFIG_KEY", "CONFIG_ALIASES", "AFDRole", "RoutingPayload", "AFDConfig"]
+
+ADDITIONAL_CONFIG_KEY = "afd"
+"""The key of vLLM's ``additional_config`` that holds the AFD section."""
 
 
-class AFDRole(str, enum.Enum):
+class AFDRole(enum.StrEnum):
     ATTENTION = "attention"
     FFN = "ffn"
 
 
-class RoutingPayload(str, enum.Enum):
+class RoutingPayload(enum.StrEnum):
     """What the Attention role sends as routing when the gate runs on Attention."""
 
     TOPK = "topk"
@@ -28,8 +47,80 @@ class RoutingPayload(str, enum.Enum):
     """raw router logits; the FFN role runs the router (top-k selection)."""
 
 
+CONFIG_ALIASES: Mapping[str, str] = MappingProxyType(
+    {
+        "afd_role": "role",
+        "afd_connector": "connector",
+        "afd_host": "host",
+        "afd_port": "port",
+        "num_afd_stages": "num_micro_batches",
+        "afd_extra_config": "connector_extra_config",
+    }
+)
+"""Key names of the upstream AFD plugin, accepted for compatibility -> canonical field."""
+
+# Fields whose value changes the compiled graph / the wire protocol (see compute_hash).
+_GRAPH_FIELDS = (
+    "role",
+    "compute_gate_on_attention",
+    "routing_payload",
+    "num_micro_batches",
+    "connector",
+)
+
+
+def _describe(value: Any) -> str:
+    """``'abc' (str)`` -- the value given, on one line, with its type."""
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _fail(name: str, expected: str, value: Any) -> AFDConfigError:
+    return AFDConfigError(f"afd.{name}: expected {expected}, got {_describe(value)}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
+    allowed = f"an int in {low}..{high}" if high is not None else f"an int >= {low}"
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        raise _fail(name, allowed, value)
+    return int(value)
+
+
+def _check_timeout(name: str, value: Any) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise _fail(name, "a finite number of seconds > 0", value)
+    return float(value)
+
+
+def _check_name(name: str, value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _fail(name, f"a non-empty string ({what})", value)
+    return value.strip()
+
+
+def _check_enum(name: str, value: Any, enum_cls: type[AFDRole] | type[RoutingPayload]) -> Any:
+    if isinstance(value, enum_cls):
+        return value
+    allowed = " or ".join(repr(m.value) for m in enum_cls)
+    if isinstance(value, str):
+        try:
+            return enum_cls(value.strip().lower())
+        except ValueError:
+            pass
+    raise _fail(name, f"one of {allowed}", value)
+
+
 @dataclass(frozen=True, slots=True)
 class AFDConfig:
+    """Validated AFD settings of one process (both roles share all fields but ``role``/``rank``)."""
+
     role: AFDRole
     connector: str = "P2pGlooAFDConnector"
     host: str = "127.0.0.1"
@@ -43,6 +134,172 @@ class AFDConfig:
     num_micro_batches: int = 1
     connect_timeout_s: float = 300.0
     transfer_timeout_s: float = 600.0
-    connector_extra_config: Mapping[str, Any] = field(
-        default_factory=lambda: MappingProxyType({})
-    )
+    connector_extra_config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        # Validation at the boundary: an AFDConfig that exists is valid. Values are
+        # normalised (str -> enum, int -> float for timeouts, read-only extra config).
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("role", _check_enum("role", self.role, AFDRole))
+        put("connector", _check_name("connector", self.connector, "a registered connector name"))
+        put("host", _check_name("host", self.host, "a host name or IP address"))
+        put("port", _check_int("port", self.port, 1, 65535))
+        put(
+            "num_attention_ranks",
+            _check_int("num_attention_ranks", self.num_attention_ranks, 1),
+        )
+        put("num_ffn_ranks", _check_int("num_ffn_ranks", self.num_ffn_ranks, 1))
+        if self.rank is not None:
+            size = (
+                self.num_attention_ranks if self.role is AFDRole.ATTENTION else self.num_ffn_ranks
+            )
+            own = f"num_{self.role.value}_ranks={size}"
+            if not _is_int(self.rank) or not 0 <= self.rank < size:
+                raise _fail("rank", f"null or an int in 0..{size - 1} ({own})", self.rank)
+        if not isinstance(self.compute_gate_on_attention, bool):
+            raise _fail(
+                "compute_gate_on_attention",
+                "a bool (true or false)",
+                self.compute_gate_on_attention,
+            )
+        put("routing_payload", _check_enum("routing_payload", self.routing_payload, RoutingPayload))
+        if (
+            self.routing_payload is RoutingPayload.ROUTER_LOGITS
+            and not self.compute_gate_on_attention
+        ):
+            raise AFDConfigError(
+                "afd.routing_payload: 'router_logits' is only allowed with "
+                "compute_gate_on_attention=true (the gate runs on FFN otherwise), "
+                "got 'router_logits' (str)"
+            )
+        put("num_micro_batches", _check_int("num_micro_batches", self.num_micro_batches, 1))
+        put("connect_timeout_s", _check_timeout("connect_timeout_s", self.connect_timeout_s))
+        put("transfer_timeout_s", _check_timeout("transfer_timeout_s", self.transfer_timeout_s))
+        extra = self.connector_extra_config
+        if not isinstance(extra, Mapping):
+            raise _fail("connector_extra_config", "a mapping with string keys", extra)
+        bad_keys = [k for k in extra if not isinstance(k, str)]
+        if bad_keys:
+            raise _fail("connector_extra_config", "a mapping with string keys", bad_keys[0])
+        put("connector_extra_config", MappingProxyType(dict(extra)))
+
+    def __hash__(self) -> int:
+        # The generated hash would fail on the read-only mapping; hash the plain data.
+        return hash(json.dumps(self.to_dict(), sort_keys=True, default=repr))
+
+    # -- construction ------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def parse(cls, mapping: Mapping[str, Any]) -> AFDConfig:
+        """Build from the ``"afd"`` section (canonical keys or upstream aliases)."""
+        if not isinstance(mapping, Mapping):
+            raise AFDConfigError(f"afd: expected a mapping of settings, got {_describe(mapping)}")
+        valid = cls.field_names()
+        values: dict[str, Any] = {}
+        given_as: dict[str, str] = {}
+        for key, value in mapping.items():
+            if not isinstance(key, str):
+                raise AFDConfigError(
+                    f"afd: expected string keys, got key {_describe(key)}; "
+                    f"valid keys: {', '.join(valid)}"
+                )
+            canonical = CONFIG_ALIASES.get(key, key)
+            if canonical not in valid:
+                candidates = [*valid, *CONFIG_ALIASES]
+                close = difflib.get_close_matches(key, candidates, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise AFDConfigError(
+                    f"afd: unknown key {key!r}; {hint}valid keys: {', '.join(valid)} "
+                    f"(upstream aliases: {', '.join(CONFIG_ALIASES)})"
+                )
+            if canonical in given_as:
+                raise AFDConfigError(
+                    f"afd.{canonical}: given twice, as {given_as[canonical]!r} and {key!r}; "
+                    f"keep only {canonical!r}"
+                )
+            given_as[canonical] = key
+            values[canonical] = value
+        if "role" not in values or values["role"] is None:
+            raise AFDConfigError(
+                "afd.role: required, expected 'attention' or 'ffn', got nothing "
+                "(set additional_config['afd']['role'] or pass role=)"
+            )
+        return cls(**values)
+
+    @classmethod
+    def from_additional_config(
+        cls,
+        additional_config: Mapping[str, Any] | None,
+        *,
+        role: AFDRole | str | None = None,
+    ) -> AFDConfig:
+        """Read ``additional_config["afd"]``; ``role`` fills (or must agree with) the section's."""
+        if additional_config is None:
+            additional_config = {}
+        if not isinstance(additional_config, Mapping):
+            raise AFDConfigError(
+                f"additional_config: expected a mapping, got {_describe(additional_config)}"
+            )
+        section = additional_config.get(ADDITIONAL_CONFIG_KEY)
+        if section is None:
+            if role is None:
+                raise AFDConfigError(
+                    f"additional_config: expected an {ADDITIONAL_CONFIG_KEY!r} section, got keys "
+                    f"{sorted(map(str, additional_config))}; pass --additional-config "
+                    """'{"afd": {"role": "attention"}}'"""
+                )
+            section = {}
+        if not isinstance(section, Mapping):
+            raise AFDConfigError(f"afd: expected a mapping of settings, got {_describe(section)}")
+        if role is not None:
+            wanted = _check_enum("role", role, AFDRole)
+            merged = dict(section)
+            key = next((k for k in ("role", "afd_role") if k in merged), None)
+            if key is not None and merged[key] is not None:
+                given = _check_enum("role", merged[key], AFDRole)
+                if given is not wanted:
+                    raise AFDConfigError(
+                        f"afd.role: the process runs as {wanted.value!r} but "
+                        f"additional_config['afd'][{key!r}] is {merged[key]!r}; "
+                        "remove the key or make them agree"
+                    )
+            if key is None or merged[key] is None:
+                merged.pop("role", None)
+                merged.pop("afd_role", None)
+                merged["role"] = wanted
+            section = merged
+        return cls.parse(section)
+
+    # -- derived views -------------------------------------------------------------
+    @property
+    def topology(self) -> AFDTopology:
+        from afd_core.topology import AFDTopology
+
+        return AFDTopology(self.num_attention_ranks, self.num_ffn_ranks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-compatible dict with canonical keys; ``AFDConfig.parse(c.to_dict()) == c``."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, enum.Enum):
+                value = value.value
+            elif isinstance(value, Mapping):
+                value = dict(value)
+            out[f.name] = value
+        return out
+
+    def compute_hash(self) -> str:
+        """Stable hash of the fields that change the compiled graph or the wire protocol.
+
+        Host, port, ranks and timeouts are left out: they do not change what is traced,
+        so processes that differ only in those share compilation caches.
+        """
+        data = self.to_dict()
+        blob = json.dumps({k: data[k] for k in _GRAPH_FIELDS}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.errors import AFDConfigError
@@ -125,7 +125,7 @@ class AFDConnector(abc.ABC):
         """Split ``result`` by ``batch.token_counts`` and send each part to its peer."""
 
     # -- context manager -----------------------------------------------------
-    def __enter__(self) -> AFDConnector:
+    def __enter__(self) -> Self:
         self.init()
         return self
 

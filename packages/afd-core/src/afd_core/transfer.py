@@ -126,8 +126,14 @@ class TransferHeader:
                 f"TransferHeader.dtype {self.dtype!r} is not a wire dtype; "
                 f"allowed: {sorted(WIRE_DTYPES)}"
             )
-        if not isinstance(self.kind, PayloadKind):
-            object.__setattr__(self, "kind", PayloadKind(self.kind))
+        kind: Any = self.kind
+        if not isinstance(kind, PayloadKind):
+            try:
+                object.__setattr__(self, "kind", PayloadKind(kind))
+            except (ValueError, TypeError):
+                raise AFDTransferMismatchError(
+                    f"TransferHeader.kind must be a PayloadKind, got {kind!r}"
+                ) from None
 
     def encode(self) -> list[int]:
         """Fixed-length integer vector (``WIRE_LEN`` int64 values) for the wire."""

@@ -12,8 +12,19 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-#: AFD architecture name -> "module:Class" of its role-aware wrapper.
-AFD_MODEL_ALIASES: dict[str, str] = {}
+#: Checkpoint architecture -> AFD alias selected with ``--hf-overrides``.
+AFD_ARCHITECTURES: dict[str, str] = {
+    "DeepseekV2ForCausalLM": "AFDDeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "AFDDeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM": "AFDDeepseekV32ForCausalLM",
+}
+
+#: AFD alias -> "module:Class" of its role-aware wrapper (resolved lazily by vLLM).
+AFD_MODEL_ALIASES: dict[str, str] = {
+    "AFDDeepseekV2ForCausalLM": "afd_models_deepseek.model:AFDDeepseekV2ForCausalLM",
+    "AFDDeepseekV3ForCausalLM": "afd_models_deepseek.model:AFDDeepseekV3ForCausalLM",
+    "AFDDeepseekV32ForCausalLM": "afd_models_deepseek.model:AFDDeepseekV32ForCausalLM",
+}
 
 _registered = False
 

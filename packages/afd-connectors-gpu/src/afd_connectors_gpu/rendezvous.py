@@ -1,0 +1,200 @@
+"""Joining the AFD data-plane process group without touching torch's global state.
+
+All ranks of both roles meet at ``config.host:config.port``: global rank 0
+(attention rank 0) hosts a ``torch.distributed.TCPStore`` there, every rank
+announces itself under a key, waits for all the others (so a missing peer is
+reported by name instead of as an opaque gloo timeout) and then builds a gloo
+backend (and, for NCCL, a second backend) from the same store.
+
+This does what ``vllm.distributed.utils.stateless_init_torch_distributed_process_group``
+does (a process group that never becomes torch's default group, so it coexists
+with the world group vLLM sets up in its workers), but it builds the gloo backend
+directly from torch: importing vLLM costs ~4 s per process, which the connector
+does not need, and the join step above wants the store itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from afd_core.errors import AFDConfigError, AFDTimeoutError
+from afd_core.topology import AFDTopology
+
+__all__ = ["DataPlaneGroup", "barrier", "describe_global_rank", "join_data_plane", "join_store"]
+
+_POLL_S = 0.02
+
+
+def describe_global_rank(topology: AFDTopology, global_rank: int) -> str:
+    role, rank = topology.role_rank_of(global_rank)
+    return f"{role.value} rank {rank}"
+
+
+@dataclass
+class DataPlaneGroup:
+    """The store and the backends of one connector's data plane."""
+
+    store: Any
+    gloo: Any
+    nccl: Any | None = None
+
+
+def _wait_for_keys(
+    store: Any,
+    keys: Sequence[str],
+    ranks: Sequence[int],
+    deadline: float,
+    what: str,
+    topology: AFDTopology,
+    where: str,
+) -> None:
+    while True:
+        if store.check(list(keys)):
+            return
+        if time.monotonic() >= deadline:
+            missing = [
+                describe_global_rank(topology, g)
+                for key, g in zip(keys, ranks, strict=True)
+                if not store.check([key])
+            ]
+            raise AFDTimeoutError(
+                f"AFD rendezvous at {where}: {what} timed out; still missing: "
+                f"{', '.join(missing) or '(none)'} of {topology.label}. Start every attention "
+                "and FFN process with the same afd.host/afd.port and rank counts, or raise "
+                "afd.connect_timeout_s"
+            )
+        time.sleep(_POLL_S)
+
+
+def join_store(
+    *,
+    host: str,
+    port: int,
+    topology: AFDTopology,
+    global_rank: int,
+    connect_timeout_s: float,
+    prefix: str = "afd-p2p",
+) -> tuple[Any, Any, float]:
+    """Open (attention rank 0: host) the TCPStore and wait until every rank has joined.
+
+    Returns ``(store, prefixed store, deadline)``; ``deadline`` is the monotonic time at
+    which the connect timeout of this rendezvous expires. A rank still missing then is
+    named in the :class:`AFDTimeoutError`.
+    """
+    import torch.distributed as dist
+    from torch.distributed import PrefixStore, TCPStore
+
+    where = f"{host}:{port}"
+    world = topology.world_size
+    deadline = time.monotonic() + connect_timeout_s
+    is_master = global_rank == 0
+    try:
+        store = TCPStore(
+            host,
+            port,
+            world,
+            is_master,
+            timeout=timedelta(seconds=connect_timeout_s),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, dist.DistError) as exc:  # DistStoreError / DistNetworkError
+        if is_master:
+            raise AFDConfigError(
+                f"AFD rendezvous: attention rank 0 could not listen on {where} "
+                f"({exc}); choose a free afd.port"
+            ) from exc
+        raise AFDTimeoutError(
+            f"AFD rendezvous: could not reach the store at {where} hosted by attention "
+            f"rank 0 within {connect_timeout_s:g} s ({type(exc).__name__}: {exc}); "
+            "is attention rank 0 running with the same afd.host/afd.port?"
+        ) from exc
+
+    afd_store = PrefixStore(prefix, store)
+    ranks = list(range(world))
+    afd_store.set(f"join/{global_rank}", "1")
+    _wait_for_keys(
+        afd_store, [f"join/{g}" for g in ranks], ranks, deadline, "joining", topology, where
+    )
+    return store, afd_store, deadline
+
+
+def barrier(
+    store: Any,
+    name: str,
+    *,
+    topology: AFDTopology,
+    global_rank: int,
+    deadline: float,
+    where: str,
+    what: str,
+) -> None:
+    """Every rank sets ``name/<rank>`` and waits for all the others (missing ones named)."""
+    ranks = list(range(topology.world_size))
+    store.set(f"{name}/{global_rank}", "1")
+    _wait_for_keys(store, [f"{name}/{g}" for g in ranks], ranks, deadline, what, topology, where)
+
+
+def join_data_plane(
+    *,
+    host: str,
+    port: int,
+    topology: AFDTopology,
+    global_rank: int,
+    connect_timeout_s: float,
+    transfer_timeout_s: float,
+    nccl_device: Any | None = None,
+) -> DataPlaneGroup:
+    """Rendezvous with every rank of ``topology`` and build the backends."""
+    from torch.distributed import PrefixStore
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    where = f"{host}:{port}"
+    world = topology.world_size
+    is_master = global_rank == 0
+    ranks = list(range(world))
+    store, afd_store, deadline = join_store(
+        host=host,
+        port=port,
+        topology=topology,
+        global_rank=global_rank,
+        connect_timeout_s=connect_timeout_s,
+    )
+    transfer_timeout = timedelta(seconds=transfer_timeout_s)
+    gloo = ProcessGroupGloo(PrefixStore("gloo", afd_store), global_rank, world, transfer_timeout)
+    nccl = None
+    if nccl_device is not None:
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = transfer_timeout
+        nccl = ProcessGroupNCCL(PrefixStore("nccl", afd_store), global_rank, world, options)
+    # Nobody leaves init (and attention rank 0 may not take the store down) before
+    # every rank has finished building its backends.
+    afd_store.set(f"ready/{global_rank}", "1")
+    _wait_for_keys(
+        afd_store,
+        [f"ready/{g}" for g in ranks],
+        ranks,
+        deadline + connect_timeout_s,
+        "building the process group",
+        topology,
+        where,
+    )
+    # Attention rank 0 hosts the store: it waits until every rank has seen the
+    # barrier above, so closing right after init cannot strand a rank mid-poll.
+    afd_store.set(f"seen/{global_rank}", "1")
+    if is_master:
+        _wait_for_keys(
+            afd_store,
+            [f"seen/{g}" for g in ranks],
+            ranks,
+            deadline + 2 * connect_timeout_s,
+            "leaving the rendezvous",
+            topology,
+            where,
+        )
+    return DataPlaneGroup(store=store, gloo=gloo, nccl=nccl)

@@ -1,0 +1,85 @@
+"""The frame that precedes every message of the P2P connectors.
+
+A frame is ``FRAME_LEN`` int64 values: the :class:`~afd_core.transfer.TransferHeader`
+(``TransferHeader.encode()``, 8 values) followed by words this transport adds:
+
+* ``[8]`` wire dtype code of the auxiliary tensor (router logits, token ids or the
+  shared-expert output; 0 when there is none) — the header only names the dtype of
+  the main tensor;
+* ``[9]`` the sender's global rank (for error messages);
+* ``[10:16]`` reserved, 0.
+
+The tensors follow in a fixed order that depends only on the header's kind, so a
+receiver allocates every buffer from the frame alone. Empty tensors (zero-token
+messages) are not put on the wire at all: both sides know their size is 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from afd_core.errors import AFDTransferMismatchError
+from afd_core.transfer import WIRE_DTYPES, PayloadKind, TransferHeader
+
+__all__ = ["FRAME_LEN", "Frame", "wire_dtype_code", "dtype_from_code"]
+
+FRAME_LEN = 16
+_DTYPE_BY_CODE = {code: name for name, code in WIRE_DTYPES.items()}
+
+
+def wire_dtype_code(name: str) -> int:
+    try:
+        return WIRE_DTYPES[name]
+    except KeyError:
+        raise AFDTransferMismatchError(
+            f"dtype {name!r} cannot be sent; wire dtypes: {sorted(WIRE_DTYPES)}"
+        ) from None
+
+
+def dtype_from_code(code: int) -> str:
+    try:
+        return _DTYPE_BY_CODE[code]
+    except KeyError:
+        raise AFDTransferMismatchError(f"unknown wire dtype code {code} in frame") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A decoded frame: the transfer header plus this transport's extra words."""
+
+    header: TransferHeader
+    aux_dtype: str | None = None
+    sender: int = -1
+
+    def encode(self) -> list[int]:
+        words = list(self.header.encode())
+        words.append(0 if self.aux_dtype is None else wire_dtype_code(self.aux_dtype))
+        words.append(self.sender)
+        words.extend([0] * (FRAME_LEN - len(words)))
+        return words
+
+    @classmethod
+    def decode(cls, values: list[int]) -> Frame:
+        if len(values) != FRAME_LEN:
+            raise AFDTransferMismatchError(
+                f"frame: expected {FRAME_LEN} int64 values, got {len(values)}"
+            )
+        header = TransferHeader.decode(values[: TransferHeader.WIRE_LEN])
+        aux = values[TransferHeader.WIRE_LEN]
+        return cls(
+            header=header,
+            aux_dtype=None if aux == 0 else dtype_from_code(aux),
+            sender=values[TransferHeader.WIRE_LEN + 1],
+        )
+
+    @classmethod
+    def shutdown(cls, sender: int) -> Frame:
+        header = TransferHeader(
+            layer_idx=0,
+            micro_batch_idx=0,
+            num_tokens=0,
+            hidden_size=0,
+            dtype="float32",
+            kind=PayloadKind.SHUTDOWN,
+        )
+        return cls(header=header, sender=sender)

@@ -1,0 +1,128 @@
+"""Fast, process-free checks: wire frames, configuration, import hygiene."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from afd_connectors_gpu.p2p import P2pGlooAFDConnector, P2pNcclAFDConnector
+from afd_connectors_gpu.wire import FRAME_LEN, Frame
+from afd_core.config import AFDConfig
+from afd_core.errors import (
+    AFDConfigError,
+    AFDConnectorClosedError,
+    AFDConnectorError,
+    AFDTransferMismatchError,
+)
+from afd_core.registry import get_connector_class
+from afd_core.transfer import WIRE_DTYPES, PayloadKind, TransferHeader
+
+_ints = st.integers(min_value=0, max_value=2**40)
+
+
+@given(
+    layer=_ints,
+    mb=_ints,
+    tokens=_ints,
+    hidden=_ints,
+    dtype=st.sampled_from(sorted(WIRE_DTYPES)),
+    kind=st.sampled_from(list(PayloadKind)),
+    topk=_ints,
+    aux=st.none() | st.sampled_from(sorted(WIRE_DTYPES)),
+    sender=st.integers(min_value=0, max_value=1024),
+)
+def test_frame_round_trips_through_int64_words(
+    layer, mb, tokens, hidden, dtype, kind, topk, aux, sender
+) -> None:
+    header = TransferHeader(layer, mb, tokens, hidden, dtype, kind, topk)
+    frame = Frame(header, aux, sender)
+    words = frame.encode()
+    assert len(words) == FRAME_LEN and all(-(2**63) <= w < 2**63 for w in words)
+    assert Frame.decode(words) == frame
+
+
+def test_frame_with_foreign_magic_is_rejected() -> None:
+    words = Frame.shutdown(0).encode()
+    words[7] = 1234
+    with pytest.raises(AFDTransferMismatchError, match="not an afd transfer header"):
+        Frame.decode(words)
+
+
+def test_importing_the_package_and_resolving_connectors_does_not_import_torch() -> None:
+    code = (
+        "import sys, afd_connectors_gpu\n"
+        "from afd_core.registry import get_connector_class\n"
+        "get_connector_class('P2pGlooAFDConnector'); get_connector_class('P2pNcclAFDConnector')\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_both_connectors_are_registered_by_name() -> None:
+    assert get_connector_class("P2pGlooAFDConnector") is P2pGlooAFDConnector
+    assert get_connector_class("P2pNcclAFDConnector") is P2pNcclAFDConnector
+
+
+def _config(**kw) -> AFDConfig:
+    return AFDConfig(role="attention", **kw)
+
+
+def test_gloo_connector_rejects_extra_config() -> None:
+    with pytest.raises(AFDConfigError, match="takes no extra options"):
+        P2pGlooAFDConnector(_config(connector_extra_config={"max_num_tokens": 4}), rank=0)
+
+
+def test_nccl_connector_validates_its_extra_config() -> None:
+    with pytest.raises(AFDConfigError, match="unknown keys"):
+        P2pNcclAFDConnector(
+            _config(connector="P2pNcclAFDConnector", connector_extra_config={"bogus": 1}), rank=0
+        )
+    with pytest.raises(AFDConfigError, match="max_num_tokens"):
+        P2pNcclAFDConnector(
+            _config(connector="P2pNcclAFDConnector", connector_extra_config={"max_num_tokens": 0}),
+            rank=0,
+        )
+
+
+def test_nccl_buckets_are_powers_of_two_up_to_max_num_tokens() -> None:
+    conn = P2pNcclAFDConnector(
+        _config(connector="P2pNcclAFDConnector", connector_extra_config={"max_num_tokens": 100}),
+        rank=0,
+    )
+    assert [conn.bucket_of(n) for n in (0, 1, 2, 3, 5, 64, 65, 100)] == [
+        1,
+        1,
+        2,
+        4,
+        8,
+        64,
+        128,
+        128,
+    ]
+    assert conn.buckets() == [1, 2, 4, 8, 16, 32, 64, 128]
+    with pytest.raises(AFDTransferMismatchError, match="max_num_tokens"):
+        conn.bucket_of(101)
+
+
+def test_calls_before_init_and_after_close_fail_clearly() -> None:
+    import torch
+
+    from afd_core.transfer import AttentionToFFN
+
+    conn = P2pGlooAFDConnector(_config(), rank=0)
+    payload = AttentionToFFN(torch.zeros(1, 4))
+    with pytest.raises(AFDConnectorError, match="before init"):
+        conn.send_to_ffn(payload, layer_idx=0)
+    with pytest.raises(AFDConfigError, match=r"ffn-side call"):
+        conn.recv_from_attention()
+    conn.close()
+    conn.close()
+    assert not conn.is_initialized
+    with pytest.raises(AFDConnectorClosedError):
+        conn.send_to_ffn(payload, layer_idx=0)
+    with pytest.raises(AFDConnectorClosedError):
+        conn.init()

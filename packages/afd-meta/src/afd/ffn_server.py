@@ -1,0 +1,177 @@
+"""The FFN role: a headless server built on vLLM's own executor and workers.
+
+No scheduler, KV cache, sampler or HTTP API: :func:`run_ffn_server` builds the
+engine configuration from ordinary vLLM engine arguments, lets vLLM's executor
+create its worker(s) and load the model (the AFD wrapper, FFN role: FFN-owned
+weights only), then asks each worker — through ``worker_extension_cls`` and
+``collective_rpc`` — to serve ``receive -> compute layer -> send`` until the
+Attention peers go away or the server is told to stop (SIGTERM / SIGINT).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from afd_core.config import AFDConfig, AFDRole
+from afd_core.errors import AFDConnectorClosedError, AFDPeerLostError
+
+logger = logging.getLogger("afd.ffn_server")
+
+READY_MARKER = "AFD FFN server ready"
+
+
+@dataclass
+class ServeStats:
+    layers_served: int = 0
+    tokens_served: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    exit_reason: str = ""
+
+
+class AFDWorkerExtension:
+    """Mixed into vLLM's worker class (``parallel_config.worker_extension_cls``).
+
+    ``afd_inventory`` / ``afd_parameter_names`` report what the loaded role model owns
+    (any role); ``afd_serve`` / ``afd_stop`` run the FFN role's serving loop.
+    """
+
+    def _afd_model(self) -> Any:
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        if not hasattr(model, "afd_ffn_blocks"):
+            raise TypeError(
+                f"{type(model).__name__} is not an AFD role-aware model (no afd_ffn_blocks); "
+                "select the AFD architecture with hf_overrides"
+            )
+        return model
+
+    def afd_inventory(self) -> dict[str, int]:
+        """Parameter inventory of the loaded role model (tensors per category)."""
+        return dict(self._afd_model().afd_runtime.inventory)
+
+    def afd_parameter_names(self) -> list[str]:
+        return [name for name, _ in self._afd_model().named_parameters()]
+
+    def afd_serve(self) -> dict[str, Any]:
+        """Serve layers until the peers leave or :meth:`afd_stop` is called."""
+        from vllm.config import set_current_vllm_config
+
+        from afd_core.registry import create_connector
+        from afd_moe_runners.ffn_compute import FFNLayerCompute
+
+        vllm_config = self.vllm_config  # type: ignore[attr-defined]
+        afd = AFDConfig.from_additional_config(vllm_config.additional_config)
+        rank = afd.rank if afd.rank is not None else vllm_config.parallel_config.data_parallel_rank
+        model = self._afd_model()
+        stats = ServeStats()
+        with set_current_vllm_config(vllm_config):
+            compute = FFNLayerCompute(model.afd_ffn_blocks(), vllm_config=vllm_config)
+            connector = create_connector(afd, rank=rank)
+            self._afd_connector = connector
+            if getattr(self, "_afd_stop_requested", False):
+                return {"exit_reason": "stopped before serving"}
+            logger.info(
+                "AFD FFN rank %d: waiting for attention ranks %s at %s:%d",
+                rank,
+                list(connector.topology.attention_peers_of(rank)),
+                afd.host,
+                afd.port,
+            )
+            connector.init()
+            logger.info("AFD FFN rank %d: attention peers connected; serving", rank)
+            try:
+                while True:
+                    batch = compute.serve_one(connector, timeout_s=None)
+                    stats.layers_served += 1
+                    stats.tokens_served += batch.header.num_tokens
+            except AFDPeerLostError as exc:
+                stats.exit_reason = f"peer gone: {exc}"
+            except AFDConnectorClosedError:
+                stats.exit_reason = "stopped"
+            finally:
+                connector.close()
+        logger.info(
+            "AFD FFN rank %d: served %d layer messages (%d tokens); %s",
+            rank,
+            stats.layers_served,
+            stats.tokens_served,
+            stats.exit_reason,
+        )
+        return {
+            "layers_served": stats.layers_served,
+            "tokens_served": stats.tokens_served,
+            "exit_reason": stats.exit_reason,
+        }
+
+    def afd_stop(self) -> None:
+        self._afd_stop_requested = True
+        connector = getattr(self, "_afd_connector", None)
+        if connector is not None:
+            connector.close()
+
+
+def build_ffn_engine_config(engine_args: Any) -> Any:
+    """vLLM config for the FFN role from ordinary engine args (role forced to ffn)."""
+    return engine_args.create_engine_config()
+
+
+def run_ffn_server(engine_args: Any) -> int:
+    """Start the FFN role; return the process exit code (0 on a clean stop)."""
+    from vllm.v1.executor import Executor
+
+    vllm_config = build_ffn_engine_config(engine_args)
+    afd = AFDConfig.from_additional_config(vllm_config.additional_config)
+    if afd.role is not AFDRole.FFN:
+        raise SystemExit(f"afd serve --role ffn got afd.role={afd.role.value!r}")
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        logger.info("AFD FFN server: %s received, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    t0 = time.monotonic()
+    executor = Executor.get_class(vllm_config)(vllm_config)
+    try:
+        inventory = executor.collective_rpc("afd_inventory")
+        logger.info(
+            "%s in %.1f s: model %s, inventory %s, connector %s at %s:%d",
+            READY_MARKER,
+            time.monotonic() - t0,
+            vllm_config.model_config.model,
+            inventory[0],
+            afd.connector,
+            afd.host,
+            afd.port,
+        )
+        result: dict[str, Any] = {}
+
+        def serve() -> None:
+            try:
+                result["value"] = executor.collective_rpc("afd_serve")
+            except BaseException as exc:  # reported by the main thread
+                result["error"] = exc
+            finally:
+                stop.set()
+
+        server = threading.Thread(target=serve, name="afd-ffn-serve", daemon=True)
+        server.start()
+        while not stop.wait(0.2):
+            pass
+        if server.is_alive():
+            executor.collective_rpc("afd_stop")
+            server.join(timeout=10)
+        if "error" in result:
+            logger.error("AFD FFN server failed: %s", result["error"])
+            return 1
+        logger.info("AFD FFN server stopped: %s", result.get("value"))
+        return 0
+    finally:
+        executor.shutdown()
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,26 @@
+"""Locally generated model checkpoints for tests, examples and benchmarks.
+
+Nothing here downloads from a model hub: :mod:`afd.models.tiny` builds small MoE
+checkpoints (seeded random weights, a locally trained tokenizer) that vLLM's CPU
+build loads in seconds.
+"""
+
+from afd.models.tiny import (
+    GENERATOR_VERSION,
+    TINY_ARCHS,
+    TinySpec,
+    checkpoint_name,
+    generate_tiny_checkpoint,
+    tiny_config,
+    tiny_variants,
+)
+
+__all__ = [
+    "GENERATOR_VERSION",
+    "TINY_ARCHS",
+    "TinySpec",
+    "checkpoint_name",
+    "generate_tiny_checkpoint",
+    "tiny_config",
+    "tiny_variants",
+]

@@ -1,0 +1,137 @@
+"""``afd serve --role {attention,ffn} MODEL [vLLM engine/server args]``.
+
+Both roles take the same vLLM arguments as ``vllm serve``. ``afd serve`` adds what
+AFD needs: the role in ``--additional-config '{"afd": {...}}'`` (merged with what
+you pass), the AFD architecture alias in ``--hf-overrides`` (so native model
+lookups stay untouched), and for the FFN role the worker extension that serves
+layers. The Attention role runs vLLM's OpenAI-compatible API server unchanged; the
+FFN role runs :func:`afd.ffn_server.run_ffn_server` (no scheduler, KV cache or API).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from afd.plugin import AFD_ARCHITECTURES
+from afd_core.config import AFDConfig
+from afd_core.errors import AFDConfigError
+
+logger = logging.getLogger("afd.serve")
+
+WORKER_EXTENSION = "afd.ffn_server.AFDWorkerExtension"
+
+
+def _pop_option(args: list[str], name: str) -> str | None:
+    """Remove ``name VALUE`` or ``name=VALUE`` from args; return VALUE (last one wins)."""
+    value = None
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == name:
+            if i + 1 >= len(args):
+                raise AFDConfigError(f"{name} needs a value")
+            value = args[i + 1]
+            del args[i : i + 2]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+            del args[i]
+        else:
+            i += 1
+    return value
+
+
+def _json_option(args: list[str], name: str) -> dict[str, Any]:
+    raw = _pop_option(args, name)
+    if raw is None:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise AFDConfigError(f"{name}: not valid JSON ({exc}): {raw!r}") from None
+    if not isinstance(value, dict):
+        raise AFDConfigError(f"{name}: expected a JSON object, got {raw!r}")
+    return value
+
+
+def afd_architecture(model: str, hf_overrides: dict[str, Any]) -> str:
+    """The AFD alias for a checkpoint's architecture (``DeepseekV3ForCausalLM`` -> ``AFD...``)."""
+    archs = hf_overrides.get("architectures")
+    if not archs:
+        config_path = Path(model) / "config.json"
+        if not config_path.is_file():
+            raise AFDConfigError(
+                f"cannot read the architecture of {model!r} ({config_path} not found); pass "
+                'a local checkpoint directory or --hf-overrides \'{"architectures": ["AFD..."]}\''
+            )
+        archs = json.loads(config_path.read_text()).get("architectures") or []
+    arch = archs[0] if archs else ""
+    if arch in AFD_ARCHITECTURES.values():
+        return str(arch)
+    if arch not in AFD_ARCHITECTURES:
+        raise AFDConfigError(
+            f"architecture {arch!r} of {model!r} has no AFD wrapper; supported: "
+            f"{', '.join(sorted(AFD_ARCHITECTURES))}"
+        )
+    return AFD_ARCHITECTURES[arch]
+
+
+def prepare_role_args(role: str, model: str, rest: list[str]) -> list[str]:
+    """vLLM CLI args for one role: AFD config merged in, AFD architecture selected."""
+    args = list(rest)
+    additional = _json_option(args, "--additional-config")
+    afd_section = dict(additional.get("afd") or {})
+    given_role = afd_section.get("role", afd_section.get("afd_role"))
+    if given_role is not None and given_role != role:
+        raise AFDConfigError(
+            f"--role {role} conflicts with afd.role={given_role!r} in --additional-config"
+        )
+    afd_section.pop("afd_role", None)
+    afd_section["role"] = role
+    AFDConfig.parse(afd_section)  # fail here, with the CLI's error, not deep in a worker
+    additional["afd"] = afd_section
+    hf_overrides = _json_option(args, "--hf-overrides")
+    hf_overrides["architectures"] = [afd_architecture(model, hf_overrides)]
+    return [
+        "--model",
+        model,
+        "--additional-config",
+        json.dumps(additional),
+        "--hf-overrides",
+        json.dumps(hf_overrides),
+        *args,
+    ]
+
+
+def serve_attention(model: str, rest: list[str]) -> int:
+    argv = prepare_role_args("attention", model, rest)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *argv]
+    logger.info("afd serve --role attention: %s", " ".join(cmd))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, cmd)
+    return 1  # not reached
+
+
+def serve_ffn(model: str, rest: list[str]) -> int:
+    argv = prepare_role_args("ffn", model, rest)
+    if "--worker-extension-cls" not in " ".join(argv):
+        argv += ["--worker-extension-cls", WORKER_EXTENSION]
+    # One in-process worker (UniProcExecutor): the FFN server needs no engine-core process.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="afd serve --role ffn")
+    parser = EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    engine_args = EngineArgs.from_cli_args(ns)
+    if engine_args.distributed_executor_backend is None:
+        engine_args.distributed_executor_backend = "uni"
+    from afd.ffn_server import run_ffn_server
+
+    return run_ffn_server(engine_args)

@@ -1,0 +1,238 @@
+"""FFN role: compute one layer's output from an A->F payload, for any factory-built block.
+
+The FFN role builds each layer's FFN half exactly as vLLM does (a native MoE block
+whose experts come from ``FusedMoEFactory``, or a dense MLP) and hands the modules to
+:class:`FFNLayerCompute`. What to run is decided from two facts only, never from the
+model family:
+
+* the block's structure: the single ``MoERunnerInterface`` inside it (found by walking
+  its submodules) makes it an MoE block, none makes it a dense MLP;
+* the payload kind the Attention role sent (``AttentionToFFN.kind``):
+
+  ``HIDDEN`` (gate on FFN)
+      the block's own ``forward`` (gate + routing + routed + shared experts, routed
+      scaling, reductions): the native computation, bit for bit;
+  ``HIDDEN_TOPK`` (gate on Attention, top-k payload)
+      the routed experts only, fed with the received ids/weights (the router is
+      skipped: the weights already carry top-k weighting and routed scaling);
+  ``HIDDEN_ROUTER_LOGITS`` (gate on Attention, logits payload)
+      the block's own router on the received logits, then the routed experts only.
+
+In the two routed-only cases the shared experts, the shared add and
+``apply_routed_scale_to_output`` happen on the Attention role; the routed output is
+reduced over the FFN role's tensor-parallel ranks here, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed import tensor_model_parallel_all_reduce
+from vllm.forward_context import is_forward_context_available, set_forward_context
+from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
+from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
+
+from afd_core.connector import AFDConnector, FFNBatch
+from afd_core.errors import AFDConfigError, AFDTransferMismatchError
+from afd_core.transfer import AttentionToFFN, FFNToAttention, PayloadKind
+from afd_moe_runners._vllm_compat import check_vllm_version
+
+check_vllm_version()
+
+__all__ = [
+    "FFNLayerCompute",
+    "find_moe_runner",
+    "routed_experts_output",
+    "shared_experts_output",
+]
+
+
+def find_moe_runner(block: torch.nn.Module) -> MoERunner | None:
+    """The one MoE runner inside ``block`` (None for a dense MLP)."""
+    runners = [m for m in block.modules() if isinstance(m, MoERunnerInterface)]
+    if len(runners) > 1:
+        names = [n for n, m in block.named_modules() if isinstance(m, MoERunnerInterface)]
+        raise AFDConfigError(
+            f"{type(block).__name__} holds {len(runners)} MoE runners ({names}); give "
+            "FFNLayerCompute the FFN block of one decoder layer"
+        )
+    if not runners:
+        return None
+    runner = runners[0]
+    if not isinstance(runner, MoERunner):
+        raise AFDConfigError(
+            f"{type(block).__name__}: its MoE runner {type(runner).__name__} is not a vLLM "
+            "MoERunner; the FFN role only serves blocks built with vLLM's FusedMoEFactory"
+        )
+    return runner
+
+
+def routed_experts_output(runner: MoERunner, payload: AttentionToFFN) -> torch.Tensor:
+    """Routed experts only, from routing decided on the Attention role."""
+    where = f"FFN-role MoE layer {runner.layer_name!r}"
+    x = payload.hidden_states
+    assert isinstance(x, torch.Tensor)
+    if runner.routed_input_transform is not None or runner.routed_output_transform is not None:
+        raise AFDConfigError(
+            f"{where}: latent MoE (routed input/output transform) cannot take routing from "
+            "the Attention role; set compute_gate_on_attention=false"
+        )
+    if runner.router.eplb_state is not None:
+        raise AFDConfigError(
+            f"{where}: EPLB on the FFN role maps logical to physical experts inside its "
+            "router, which external routing bypasses; disable EPLB or set "
+            "compute_gate_on_attention=false"
+        )
+    if runner.do_naive_dispatch_combine:
+        raise AFDConfigError(
+            f"{where}: data- or sequence-parallel expert dispatch is not supported with "
+            "external routing; set compute_gate_on_attention=false"
+        )
+    if runner.moe_config.hidden_dim != x.shape[-1]:
+        raise AFDConfigError(
+            f"{where}: the experts run on a padded hidden size {runner.moe_config.hidden_dim} "
+            f"!= {x.shape[-1]}; external routing does not pad, set "
+            "compute_gate_on_attention=false"
+        )
+    experts = runner.routed_experts
+    method = experts.quant_method
+    # Private in 0.32 (see _vllm_compat): what MoERunner._forward_impl does first.
+    experts._ensure_moe_quant_config_init()
+    if payload.topk_ids is not None:
+        if method.is_monolithic:
+            raise AFDConfigError(
+                f"{where}: the expert kernel {method.method_name} routes internally and "
+                "cannot take top-k ids; set routing_payload='router_logits'"
+            )
+        topk_ids = payload.topk_ids
+        assert isinstance(topk_ids, torch.Tensor)
+        if method.topk_indices_dtype is not None:
+            topk_ids = topk_ids.to(method.topk_indices_dtype)
+        out = experts.forward_modular(x=x, topk_weights=payload.topk_weights, topk_ids=topk_ids)
+    elif payload.router_logits is not None:
+        if method.is_monolithic:
+            out = experts.forward_monolithic(x=x, router_logits=payload.router_logits)
+        else:
+            topk_weights, topk_ids = runner.router.select_experts(
+                hidden_states=x,
+                router_logits=payload.router_logits,
+                topk_indices_dtype=method.topk_indices_dtype,
+            )
+            out = experts.forward_modular(x=x, topk_weights=topk_weights, topk_ids=topk_ids)
+    else:
+        raise AFDTransferMismatchError(f"{where}: payload {payload.kind.name} carries no routing")
+    if not isinstance(out, torch.Tensor):
+        raise AFDConfigError(
+            f"{where}: the expert kernel returned a deferred output ({type(out).__name__}); "
+            "set compute_gate_on_attention=false"
+        )
+    config = runner.moe_config
+    kernel = method.moe_kernel
+    already_reduced = kernel is not None and kernel.output_is_reduced()
+    if (
+        not config.is_sequence_parallel
+        and (config.tp_size > 1 or config.ep_size > 1)
+        and not already_reduced
+    ):
+        out = tensor_model_parallel_all_reduce(out)
+    return out
+
+
+def shared_experts_output(runner: MoERunner, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The block's shared experts on ``hidden`` (None if it has none), reduced once.
+
+    With the gate on Attention the shared experts still live on the FFN role; their
+    output travels back separately so the Attention role combines it with the routed
+    output exactly as the native runner does (shared + routed, scaling applied once).
+    """
+    shared = runner.shared_experts
+    if shared is None:
+        return None
+    shared(hidden, SharedExpertsOrder.NO_OVERLAP)
+    out = shared.output
+    assert isinstance(out, torch.Tensor)
+    config = runner.moe_config
+    if config.tp_size > 1 and not config.is_sequence_parallel:
+        out = tensor_model_parallel_all_reduce(out)
+    return out
+
+
+class FFNLayerCompute:
+    """The FFN role's per-layer computation, independent of the model family.
+
+    ``layers`` maps a decoder-layer index to that layer's FFN block as vLLM builds it
+    (e.g. ``model.layers[i].mlp``): an MoE block holding one factory-built runner, or a
+    dense MLP. ``vllm_config`` is the configuration the blocks were built under (it
+    holds vLLM's layer registry the MoE custom op looks runners up in); default: the
+    current one at construction.
+    """
+
+    def __init__(
+        self, layers: Mapping[int, torch.nn.Module], *, vllm_config: VllmConfig | None = None
+    ) -> None:
+        self.layers = dict(layers)
+        self.runners = {idx: find_moe_runner(block) for idx, block in self.layers.items()}
+        self.vllm_config = vllm_config if vllm_config is not None else get_current_vllm_config()
+
+    def block(self, layer_idx: int) -> torch.nn.Module:
+        try:
+            return self.layers[layer_idx]
+        except KeyError:
+            raise AFDTransferMismatchError(
+                f"received layer {layer_idx}, but this FFN rank serves layers "
+                f"{sorted(self.layers)}; do both roles load the same model and layer split?"
+            ) from None
+
+    @contextlib.contextmanager
+    def _forward_context(self, num_tokens: int) -> Iterator[None]:
+        if is_forward_context_available():
+            yield
+        else:
+            with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
+                yield
+
+    @torch.no_grad()
+    def compute(self, layer_idx: int, payload: AttentionToFFN) -> FFNToAttention:
+        """The F->A result of ``payload`` for decoder layer ``layer_idx``."""
+        block = self.block(layer_idx)
+        runner = self.runners[layer_idx]
+        kind = payload.kind
+        hidden = payload.hidden_states
+        assert isinstance(hidden, torch.Tensor)
+        if kind is PayloadKind.HIDDEN:
+            if runner is None:
+                return FFNToAttention(_as_tensor(block(hidden), layer_idx))
+            with self._forward_context(hidden.shape[0]):
+                return FFNToAttention(_as_tensor(block(hidden), layer_idx))
+        if kind in (PayloadKind.HIDDEN_TOPK, PayloadKind.HIDDEN_ROUTER_LOGITS):
+            if runner is None:
+                raise AFDTransferMismatchError(
+                    f"layer {layer_idx}: received routing ({kind.name}) for a dense MLP block "
+                    f"({type(block).__name__}); the roles disagree on which layers are MoE"
+                )
+            with self._forward_context(hidden.shape[0]):
+                routed = routed_experts_output(runner, payload)
+                return FFNToAttention(routed, shared_output=shared_experts_output(runner, hidden))
+        raise AFDConfigError(
+            f"layer {layer_idx}: payload kind {kind.name} is not supported by FFNLayerCompute"
+        )
+
+    def serve_one(self, connector: AFDConnector, *, timeout_s: float | None = None) -> FFNBatch:
+        """Receive one layer from the Attention peers, compute it, send the result back."""
+        batch = connector.recv_from_attention(timeout_s=timeout_s)
+        connector.send_to_attention(batch, self.compute(batch.layer_idx, batch.payload))
+        return batch
+
+
+def _as_tensor(output: Any, layer_idx: int) -> torch.Tensor:
+    if not isinstance(output, torch.Tensor):
+        raise AFDConfigError(
+            f"layer {layer_idx}: the FFN block returned {type(output).__name__}, expected a "
+            "tensor [tokens, hidden]"
+        )
+    return output

@@ -1,0 +1,107 @@
+"""Gate on FFN: the Attention role's MoE runner ships hidden states and returns the answer.
+
+:class:`RemoteExpertsRunner` is what ``FusedMoEFactory(runner_cls=...)`` builds on
+the Attention role when ``compute_gate_on_attention`` is false. The FFN role runs the
+whole native block (gate, routing, routed and shared experts, routed scaling and its
+own reductions) and sends back the final block output, so this runner overrides the
+public ``MoERunner.forward`` and returns that output untouched. Overriding only
+``_forward_impl`` would let the native ``forward`` post-processing (routed scaling,
+shared-expert add, TP all-reduce) run a second time on an already final result.
+
+In vLLM 0.32 the runner owns the gate (models pass ``gate=`` to the factory and call
+the runner with ``router_logits=hidden_states`` as a placeholder); this runner drops
+the gate, the shared experts and the routed transforms it is given, so it holds no
+parameters at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+from vllm.model_executor.models.utils import extract_layer_index
+
+from afd_core.errors import AFDConfigError, AFDTransferMismatchError
+from afd_core.transfer import AttentionToFFN
+from afd_moe_runners.exchange import MicroBatchYield, no_yield, send_to_ffn
+from afd_moe_runners.remote_experts import RemoteRoutedExperts, check_attention_moe_layer
+
+__all__ = ["RemoteExpertsRunner", "reject_unsupported_inputs"]
+
+
+def reject_unsupported_inputs(
+    layer_name: str, input_ids: torch.Tensor | None, shared_experts_input: torch.Tensor | None
+) -> None:
+    if input_ids is not None:
+        raise AFDConfigError(
+            f"{layer_name}: the model passed input_ids (hash-routed MoE); AFD runners do not "
+            "transfer token ids yet, so this layer cannot be disaggregated"
+        )
+    if shared_experts_input is not None:
+        raise AFDConfigError(
+            f"{layer_name}: the model passed shared_experts_input (a routed input transform "
+            "applied outside the runner); AFD runners expect the plain block input"
+        )
+
+
+class RemoteExpertsRunner(MoERunner):
+    """Attention-role ``runner_cls`` for gate on FFN: send, yield, receive, return."""
+
+    def __init__(
+        self,
+        layer_name: str,
+        moe_config: Any,
+        router: Any,
+        routed_experts: Any,
+        enable_dbo: bool = False,
+        gate: torch.nn.Module | None = None,
+        shared_experts: torch.nn.Module | None = None,
+        shared_expert_gate: torch.nn.Module | None = None,
+        routed_input_transform: torch.nn.Module | None = None,
+        routed_output_transform: torch.nn.Module | None = None,
+        routed_scaling_factor: float = 1.0,
+        *,
+        micro_batch_yield: MicroBatchYield | None = None,
+    ) -> None:
+        if not isinstance(routed_experts, RemoteRoutedExperts):
+            raise AFDConfigError(
+                f"{layer_name}: RemoteExpertsRunner needs parameter-free experts; pass "
+                f"routed_experts_cls=RemoteRoutedExperts to the factory (got "
+                f"{type(routed_experts).__name__}); afd_runner_kwargs() returns both"
+            )
+        check_attention_moe_layer(
+            layer_name, moe_config, routed_scaling_factor=routed_scaling_factor, router=router
+        )
+        # Everything that computes (gate, shared experts, transforms, scaling) runs on
+        # the FFN role; none of it is kept here.
+        super().__init__(
+            layer_name=layer_name,
+            moe_config=moe_config,
+            router=router,
+            routed_experts=routed_experts,
+            enable_dbo=enable_dbo,
+        )
+        self.afd_layer_idx = extract_layer_index(layer_name)
+        self.micro_batch_yield: MicroBatchYield = micro_batch_yield or no_yield
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+        shared_experts_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # router_logits is the models' placeholder (the hidden states): unused here.
+        reject_unsupported_inputs(self.layer_name, input_ids, shared_experts_input)
+        pending = send_to_ffn(AttentionToFFN(hidden_states), layer_idx=self.afd_layer_idx)
+        self.micro_batch_yield(pending.layer_idx, pending.micro_batch_idx)
+        result = pending.receive()
+        if result.shared_output is not None:
+            raise AFDTransferMismatchError(
+                f"{self.layer_name}: with the gate on FFN the FFN role must send the final "
+                "block output, but it sent a separate shared-expert output"
+            )
+        output = result.output
+        assert isinstance(output, torch.Tensor)
+        return output

@@ -1,0 +1,204 @@
+"""Model-independent support for role-aware AFD model wrappers.
+
+A model package (afd-models-deepseek, afd-models-qwen) builds vLLM's native model for
+one role and needs the same handful of things regardless of the family: the role's
+``AFDConfig``, the FusedMoE factory kwargs for the Attention role, parameter-free
+stand-ins, the Attention-side connector and per-step forward-context metadata, and a
+parameter-inventory check after loading. They live here once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.model_executor.models.utils import extract_layer_index
+
+from afd_core.config import AFDConfig, AFDRole
+from afd_core.connector import AFDConnector
+from afd_core.errors import AFDConfigError
+from afd_core.forward_context import AFDStepMetadata, set_step_metadata
+from afd_core.registry import create_connector
+from afd_core.weights import RoleWeightStats
+from afd_moe_runners.dense import RemoteDenseMLP
+from afd_moe_runners.exchange import no_yield
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "NoAttention",
+    "RemoteDenseMLP",
+    "RoleRuntime",
+    "afd_config_of",
+    "attention_factory",
+    "check_supported_parallelism",
+    "layer_index",
+    "no_yield",
+    "parameter_inventory",
+]
+
+
+def afd_config_of(vllm_config: VllmConfig) -> AFDConfig:
+    """The validated ``additional_config["afd"]`` of an AFD model; clear error if absent."""
+    extra = vllm_config.additional_config or {}
+    if "afd" not in extra:
+        raise AFDConfigError(
+            "an AFD model architecture was selected but additional_config has no 'afd' "
+            'section; pass --additional-config \'{"afd": {"role": "attention", ...}}\''
+        )
+    return AFDConfig.from_additional_config(extra)
+
+
+def check_supported_parallelism(vllm_config: VllmConfig, model_name: str) -> None:
+    """Reject parallel layouts this AFD runtime does not implement yet, before building."""
+    pc = vllm_config.parallel_config
+    for name, value in (
+        ("tensor_parallel_size", pc.tensor_parallel_size),
+        ("pipeline_parallel_size", pc.pipeline_parallel_size),
+    ):
+        if value != 1:
+            raise AFDConfigError(
+                f"{model_name}: {name}={value} is not supported by afd yet (each AFD rank "
+                f"is one process); scale with afd.num_attention_ranks / afd.num_ffn_ranks "
+                f"and set {name}=1"
+            )
+    if pc.enable_eplb:
+        raise AFDConfigError(f"{model_name}: EPLB is not supported by afd yet; disable it")
+
+
+def layer_index(prefix: str) -> int:
+    return int(extract_layer_index(prefix))
+
+
+def attention_factory(afd: AFDConfig, native_factory: Any) -> Any:
+    """A stand-in for ``FusedMoEFactory`` that builds the Attention role's AFD layer."""
+    from afd_moe_runners.builder import afd_runner_kwargs
+
+    extra = afd_runner_kwargs(afd, role=AFDRole.ATTENTION)
+
+    def factory(**kwargs: Any) -> Any:
+        clash = sorted(k for k in extra if kwargs.get(k) is not None)
+        if clash:
+            raise AFDConfigError(
+                f"{kwargs.get('prefix', 'MoE layer')}: the model already passes {clash} to "
+                "FusedMoEFactory; afd cannot inject its runner there"
+            )
+        # Shared experts live on the FFN role (see afd_moe_runners.builder).
+        return native_factory(**{**kwargs, **extra, "shared_experts": None})
+
+    return factory
+
+
+class NoAttention(nn.Module):
+    """FFN-role placeholder for an attention module: no parameters, no KV cache."""
+
+    def __init__(self, *args: Any, prefix: str = "", **kwargs: Any) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError(
+            f"{self.prefix}: attention does not run on the AFD FFN role; the FFN server "
+            "computes FFN blocks only (use afd_ffn_blocks())"
+        )
+
+
+_CATEGORIES = (
+    ("attention", (".self_attn.", ".linear_attn.", ".attn.")),
+    ("routed_experts", (".experts.",)),
+    ("shared_experts", (".shared_experts.", ".shared_expert.", ".shared_expert_gate.")),
+    ("gate", (".mlp.gate.",)),
+    ("embedding", ("embed_tokens.", "lm_head.")),
+    ("dense_mlp", (".mlp.",)),
+)
+
+
+def parameter_inventory(model: nn.Module) -> dict[str, int]:
+    """Number of parameters (tensors, not elements) per category of a model."""
+    counts: Counter[str] = Counter()
+    for name, _ in model.named_parameters():
+        dotted = f".{name}"
+        for category, markers in _CATEGORIES:
+            if any(m in dotted for m in markers):
+                counts[category] += 1
+                break
+        else:
+            counts["other"] += 1
+    counts["total"] = sum(counts.values())
+    return dict(counts)
+
+
+def _forbidden_categories(afd: AFDConfig) -> tuple[str, ...]:
+    if afd.role is AFDRole.FFN:
+        return ("attention", "embedding")
+    forbidden = ["routed_experts", "dense_mlp", "shared_experts"]
+    if not afd.compute_gate_on_attention:
+        forbidden.append("gate")
+    return tuple(forbidden)
+
+
+class RoleRuntime:
+    """Per-process AFD state of one role-aware model: connector, step metadata, checks."""
+
+    def __init__(self, model: nn.Module, afd: AFDConfig, vllm_config: VllmConfig) -> None:
+        self._model = weakref.ref(model)
+        self.afd = afd
+        self.inventory: dict[str, int] = {}
+        self.connector: AFDConnector | None = None
+        self.rank = (
+            afd.rank if afd.rank is not None else vllm_config.parallel_config.data_parallel_rank
+        )
+        self._check_inventory(model, when="construction")
+        if afd.role is AFDRole.ATTENTION:
+            self.connector = create_connector(afd, rank=self.rank)
+            logger.info(
+                "AFD attention rank %d: connecting to the FFN role via %s at %s:%d "
+                "(waits up to %.0f s for the FFN server)",
+                self.rank,
+                afd.connector,
+                afd.host,
+                afd.port,
+                afd.connect_timeout_s,
+            )
+            self.connector.init()
+            atexit.register(self.close)
+            logger.info("AFD attention rank %d: connected", self.rank)
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
+
+    def attach_step_metadata(self) -> None:
+        """Install this step's AFD metadata in vLLM's forward context (Attention role)."""
+        if self.connector is None or not is_forward_context_available():
+            return
+        set_step_metadata(get_forward_context(), AFDStepMetadata(connector=self.connector))
+
+    def _check_inventory(self, model: nn.Module, *, when: str) -> None:
+        inventory = parameter_inventory(model)
+        bad = {c: inventory[c] for c in _forbidden_categories(self.afd) if inventory.get(c)}
+        if bad:
+            raise AFDConfigError(
+                f"AFD {self.afd.role.value} role built parameters it must not own after "
+                f"{when}: {bad}; the role-aware construction of {type(model).__name__} "
+                "does not match this vLLM version"
+            )
+        self.inventory = inventory
+
+    def after_weights_loaded(self, stats: RoleWeightStats) -> None:
+        model = self._model()
+        assert model is not None
+        self._check_inventory(model, when="loading")
+        logger.info(
+            "AFD %s role parameter inventory: %s; checkpoint tensors %s",
+            self.afd.role.value,
+            " ".join(f"{k}={v}" for k, v in sorted(self.inventory.items())),
+            stats.summary(),
+        )

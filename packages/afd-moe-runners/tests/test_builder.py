@@ -1,0 +1,205 @@
+"""Which runner a layer gets, and the layers the Attention role refuses to build."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+_prefixes = iter(range(100, 10_000))
+
+
+def attention_config(**overrides: Any) -> Any:
+    from afd_core.config import AFDConfig, AFDRole
+
+    values: dict[str, Any] = {"role": AFDRole.ATTENTION, "connector": "P2pGlooAFDConnector"}
+    values.update(overrides)
+    return AFDConfig(**values)
+
+
+def build(vllm_config: Any, afd_config: Any, **factory_kwargs: Any) -> Any:
+    """A small MoE layer built through the AFD factory (unique prefix per call)."""
+    from afd_moe_runners import build_afd_moe
+
+    kwargs: dict[str, Any] = {
+        "num_experts": 8,
+        "top_k": 2,
+        "hidden_size": 32,
+        "intermediate_size": 16,
+        "prefix": f"builder.layers.{next(_prefixes)}.mlp.experts",
+    }
+    kwargs.update(factory_kwargs)
+    return build_afd_moe(afd_config, platform="cpu", **kwargs)
+
+
+@contextlib.contextmanager
+def routed_expert_capture(vllm_config: Any) -> Iterator[None]:
+    aux = vllm_config.aux_output_config
+    previous = aux.enable_return_routed_experts
+    aux.enable_return_routed_experts = True
+    try:
+        yield
+    finally:
+        aux.enable_return_routed_experts = previous
+
+
+def test_gate_on_ffn_picks_the_remote_experts_runner(vllm_config: Any) -> None:
+    from afd_moe_runners import RemoteExpertsRunner, RemoteRoutedExperts, afd_runner_kwargs
+
+    kwargs = afd_runner_kwargs(attention_config(), platform="cpu")
+    assert kwargs["runner_cls"] is RemoteExpertsRunner
+    assert kwargs["routed_experts_cls"] is RemoteRoutedExperts
+    runner = build(vllm_config, attention_config())
+    assert isinstance(runner, RemoteExpertsRunner)
+    assert runner.afd_layer_idx == int(runner.layer_name.split(".")[2])
+    assert list(runner.parameters()) == []
+
+
+def test_gate_on_attention_picks_the_external_routing_runner(vllm_config: Any) -> None:
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    from afd_core.config import RoutingPayload
+    from afd_moe_runners import ExternalRoutingRunner, afd_runner_kwargs
+
+    config = attention_config(
+        compute_gate_on_attention=True, routing_payload=RoutingPayload.ROUTER_LOGITS
+    )
+    kwargs = afd_runner_kwargs(config, platform="cpu")
+    assert kwargs["runner_cls"] is ExternalRoutingRunner
+    assert kwargs["runner_args"]["routing_payload"] is RoutingPayload.ROUTER_LOGITS
+    gate = GateLinear(32, 8, prefix="builder.gate")
+    runner = build(vllm_config, config, gate=gate)
+    assert isinstance(runner, ExternalRoutingRunner)
+    assert runner.gate is gate
+    assert {name for name, _ in runner.named_parameters()} == {"gate.weight"}
+    assert not any(p.dim() == 3 for p in runner.parameters())
+
+
+def test_ffn_role_gets_the_native_factory() -> None:
+    from afd_core.config import AFDConfig, AFDRole
+    from afd_moe_runners import afd_runner_kwargs
+
+    assert afd_runner_kwargs(AFDConfig(role=AFDRole.FFN), platform="cpu") == {}
+    assert afd_runner_kwargs(attention_config(), role="ffn", platform="cpu") == {}
+
+
+@pytest.mark.parametrize(
+    ("platform", "connector", "message"),
+    [
+        ("cpu", "P2pNcclAFDConnector", "set additional_config.afd.connector to one of"),
+        ("cuda", "P2pGlooAFDConnector", "['P2pNcclAFDConnector']"),
+        ("npu", "CAMP2pAFDConnector", "AscendMoERunner"),
+        ("tpu", "P2pGlooAFDConnector", "platform 'tpu' is not supported"),
+    ],
+)
+def test_unsupported_platform_connector_pairs_are_rejected(
+    platform: str, connector: str, message: str
+) -> None:
+    from afd_core.errors import AFDConfigError
+    from afd_moe_runners import afd_runner_kwargs
+
+    with pytest.raises(AFDConfigError, match="AFD MoE runners") as info:
+        afd_runner_kwargs(attention_config(connector=connector), platform=platform)
+    assert message in str(info.value)
+
+
+def test_loopback_connector_is_accepted_on_every_platform() -> None:
+    from afd_moe_runners import afd_runner_kwargs
+
+    for platform in ("cpu", "cuda", "npu"):
+        config = attention_config(connector="LoopbackAFDConnector")
+        assert afd_runner_kwargs(config, platform=platform)["runner_cls"] is not None
+
+
+@pytest.mark.parametrize("gate_on_attention", [False, True])
+def test_attention_side_eplb_is_rejected_at_build_time(
+    vllm_config: Any, gate_on_attention: bool
+) -> None:
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    from afd_core.errors import AFDConfigError
+
+    gate = GateLinear(32, 8, prefix="builder.gate") if gate_on_attention else None
+    config = attention_config(compute_gate_on_attention=gate_on_attention)
+    with pytest.raises(AFDConfigError, match="EPLB is enabled on the Attention role") as info:
+        build(vllm_config, config, enable_eplb=True, gate=gate)
+    assert "configure EPLB on the FFN role" in str(info.value)
+
+
+def test_redundant_experts_are_rejected_at_build_time(vllm_config: Any) -> None:
+    from afd_core.errors import AFDConfigError
+
+    with pytest.raises(AFDConfigError, match="redundant experts") as info:
+        build(vllm_config, attention_config(), enable_eplb=True, num_redundant_experts=2)
+    assert "num_redundant_experts=0" in str(info.value)
+
+
+def test_routed_expert_capture_is_rejected_at_build_time(vllm_config: Any) -> None:
+    from afd_core.errors import AFDConfigError
+
+    with (
+        routed_expert_capture(vllm_config),
+        pytest.raises(AFDConfigError, match="routed-expert capture") as info,
+    ):
+        build(vllm_config, attention_config())
+    assert "turn it off for the Attention engine" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("on_output", [False, True])
+def test_non_finite_routed_scaling_factor_is_rejected(
+    vllm_config: Any, value: float, on_output: bool
+) -> None:
+    from afd_core.errors import AFDConfigError
+
+    with pytest.raises(AFDConfigError, match="routed_scaling_factor=") as info:
+        build(
+            vllm_config,
+            attention_config(),
+            routed_scaling_factor=value,
+            apply_routed_scale_to_output=on_output,
+        )
+    assert "not a finite number" in str(info.value)
+
+
+def test_gate_on_attention_without_a_gate_is_rejected(vllm_config: Any) -> None:
+    from afd_core.errors import AFDConfigError
+
+    with pytest.raises(AFDConfigError, match="did not pass gate=") as info:
+        build(vllm_config, attention_config(compute_gate_on_attention=True))
+    assert "compute_gate_on_attention=false" in str(info.value)
+
+
+def test_caller_chosen_runner_is_refused_by_build_afd_moe(vllm_config: Any) -> None:
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    from afd_core.errors import AFDConfigError
+
+    with pytest.raises(AFDConfigError, match="chosen by AFD"):
+        build(vllm_config, attention_config(), runner_cls=MoERunner)
+
+
+def test_attention_experts_refuse_checkpoint_tensors(vllm_config: Any) -> None:
+    import torch
+
+    from afd_core.errors import AFDConfigError
+
+    runner = build(vllm_config, attention_config())
+    with pytest.raises(AFDConfigError, match="belong to the FFN role"):
+        list(runner.load_weights([("experts.0.gate_proj.weight", torch.zeros(16, 32))]))
+
+
+def test_attention_experts_refuse_to_run_a_kernel(vllm_config: Any) -> None:
+    import torch
+
+    runner = build(vllm_config, attention_config())
+    with pytest.raises(RuntimeError, match="hold no weights"):
+        runner.routed_experts.forward_modular(
+            x=torch.zeros(1, 32),
+            topk_weights=torch.ones(1, 2),
+            topk_ids=torch.zeros(1, 2, dtype=torch.int32),
+        )

@@ -1,0 +1,202 @@
+"""Per-layer round-trip latency of the P2P AFD connector vs a shared-memory floor.
+
+    python tools/bench_connector.py [--iters N] [--json PATH]
+
+Attention sends ``[tokens, hidden]`` bf16, the FFN side echoes it back; one round trip
+is ``send_to_ffn`` + ``recv_from_ffn`` on the attention rank. The floor is the same
+bytes handed A -> F -> A through torch shared-memory tensors with a spin-wait flag
+(two processes, measured in the same run; the spin yields the CPU so that an
+oversubscribed host does not starve the peer): what any same-host transport must pay
+at least. Prints a table of medians and the ratio connector/floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+TOKENS = (1, 16, 64, 256)
+HIDDEN = (2048, 7168)
+WARMUP = 20
+
+
+def _configs() -> list[tuple[int, int]]:
+    return [(t, h) for h in HIDDEN for t in TOKENS]
+
+
+# -- connector round trip ------------------------------------------------------------
+def _connector_rank(role: str, connector: str, port: int, iters: int, out: Any) -> None:
+    import torch
+
+    from afd_core.config import AFDConfig
+    from afd_core.registry import get_connector_class
+    from afd_core.transfer import AttentionToFFN, FFNToAttention
+
+    torch.set_num_threads(1)
+    config = AFDConfig(role=role, connector=connector, port=port, rank=0, connect_timeout_s=60)
+    conn = get_connector_class(connector)(config, rank=0)
+    conn.init()
+    try:
+        timings: dict[str, list[float]] = {}
+        for tokens, hidden in _configs():
+            if role == "ffn":
+                for _ in range(WARMUP + iters):
+                    batch = conn.recv_from_attention()
+                    conn.send_to_attention(batch, FFNToAttention(batch.payload.hidden_states))
+                continue
+            x = torch.randn(tokens, hidden).to(torch.bfloat16)
+            samples = []
+            for i in range(WARMUP + iters):
+                start = time.perf_counter()
+                conn.send_to_ffn(AttentionToFFN(x), layer_idx=i % 61)
+                y = conn.recv_from_ffn(layer_idx=i % 61)
+                elapsed = time.perf_counter() - start
+                if i >= WARMUP:
+                    samples.append(elapsed)
+            assert torch.equal(y.output, x)
+            timings[f"{tokens}x{hidden}"] = samples
+        if role == "attention":
+            out.put(timings)
+    finally:
+        conn.close()
+
+
+# -- shared-memory floor ----------------------------------------------------------------
+def _floor_rank(role: str, a2f: Any, f2a: Any, flags: Any, iters: int, out: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    seq = 0
+    timings: dict[str, list[float]] = {}
+    for tokens, hidden in _configs():
+        n = tokens * hidden
+        x = torch.randn(n).to(torch.bfloat16)
+        local = torch.empty(n, dtype=torch.bfloat16)
+        samples = []
+        for i in range(WARMUP + iters):
+            seq += 1
+            if role == "ffn":
+                while int(flags[0]) != seq:
+                    os.sched_yield()
+                local.copy_(a2f[:n])
+                f2a[:n].copy_(local)
+                flags[1] = seq
+                continue
+            start = time.perf_counter()
+            a2f[:n].copy_(x)
+            flags[0] = seq
+            while int(flags[1]) != seq:
+                os.sched_yield()
+            local.copy_(f2a[:n])
+            elapsed = time.perf_counter() - start
+            if i >= WARMUP:
+                samples.append(elapsed)
+        if role == "attention":
+            assert torch.equal(local, x)
+            timings[f"{tokens}x{hidden}"] = samples
+    if role == "attention":
+        out.put(timings)
+
+
+def _run_pair(ctx: Any, target: Any, args_a: tuple[Any, ...], args_f: tuple[Any, ...]) -> Any:
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=target, args=("attention", *args_a, out)),
+        ctx.Process(target=target, args=("ffn", *args_f, out)),
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return out.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def _machine() -> dict[str, Any]:
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            mem_kib = int(f.readline().split()[1])
+    except OSError:
+        mem_kib = 0
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": model,
+        "ram_gib": round(mem_kib / 2**20, 1),
+        "python": platform.python_version(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=200, help="timed round trips per size")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--connector",
+        action="append",
+        help="connector name(s) to measure (default: P2pGlooAFDConnector)",
+    )
+    args = parser.parse_args()
+    connectors = args.connector or ["P2pGlooAFDConnector"]
+
+    import torch
+    import torch.multiprocessing as tmp
+
+    from afd_connectors_gpu.testing import free_port
+
+    ctx = tmp.get_context("spawn")
+    size = max(TOKENS) * max(HIDDEN)
+    a2f = torch.zeros(size, dtype=torch.bfloat16).share_memory_()
+    f2a = torch.zeros(size, dtype=torch.bfloat16).share_memory_()
+    flags = torch.zeros(2, dtype=torch.int64).share_memory_()
+    shared = (a2f, f2a, flags, args.iters)
+    floor = _run_pair(ctx, _floor_rank, shared, shared)
+    measured = {}
+    for name in connectors:
+        port = free_port()
+        measured[name] = _run_pair(
+            ctx, _connector_rank, (name, port, args.iters), (name, port, args.iters)
+        )
+
+    machine = _machine()
+    machine["load_avg_1m"] = os.getloadavg()[0]
+    print(
+        f"machine: {machine['nproc']} CPUs, {machine['cpu']}, {machine['ram_gib']} GiB RAM; "
+        f"load average {machine['load_avg_1m']:.1f}; {args.iters} round trips per size, median ms"
+    )
+    header = f"{'tokens x hidden':>16} {'MiB':>6} {'shm floor':>10}"
+    for name in connectors:
+        header += f" {name:>22} {'ratio':>6}"
+    print(header)
+    rows = []
+    for tokens, hidden in _configs():
+        key = f"{tokens}x{hidden}"
+        f_ms = statistics.median(floor[key]) * 1e3
+        line = f"{key:>16} {tokens * hidden * 2 / 2**20:>6.2f} {f_ms:>10.3f}"
+        row: dict[str, Any] = {"tokens": tokens, "hidden": hidden, "floor_ms": f_ms}
+        for name in connectors:
+            c_ms = statistics.median(measured[name][key]) * 1e3
+            line += f" {c_ms:>22.3f} {c_ms / f_ms:>6.1f}"
+            row[name] = {"median_ms": c_ms, "ratio": c_ms / f_ms}
+        rows.append(row)
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "iters": args.iters, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
