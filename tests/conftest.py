@@ -20,3 +20,23 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         arch: generate_tiny_checkpoint(arch, root / f"{arch}-s0")
         for arch in ("deepseek_v2", "deepseek_v3")
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str | None, Path]:
+    """Tiny seeded Qwen3-MoE checkpoints by variant (None = default, ``no_norm_topk``,
+    ``dense_layers``), plus ``"qwen3_5_moe"`` (the Qwen3.5/3.6-MoE text model)."""
+    from afd.models.tiny import checkpoint_name, generate_tiny_checkpoint, tiny_variants
+
+    cache = os.environ.get("AFD_CACHE_DIR")
+    root = Path(cache) / "tiny" if cache else tmp_path_factory.mktemp("tiny-qwen")
+    models: dict[str | None, Path] = {
+        variant: generate_tiny_checkpoint(
+            "qwen3_moe", root / checkpoint_name("qwen3_moe", variant), variant=variant
+        )
+        for variant in tiny_variants("qwen3_moe")
+    }
+    models["qwen3_5_moe"] = generate_tiny_checkpoint(
+        "qwen3_5_moe", root / checkpoint_name("qwen3_5_moe")
+    )
+    return models

@@ -1,13 +1,16 @@
-"""Per-layer round-trip latency of the P2P AFD connector vs a shared-memory floor.
+"""Per-layer round-trip latency of the P2P AFD connectors vs a shared-memory floor.
 
-    python tools/bench_connector.py [--iters N] [--json PATH]
+    python tools/bench_connector.py [--iters N] [--json PATH] [--connector NAME ...]
+
+Measures P2pGlooAFDConnector and P2pShmAFDConnector by default.
 
 Attention sends ``[tokens, hidden]`` bf16, the FFN side echoes it back; one round trip
 is ``send_to_ffn`` + ``recv_from_ffn`` on the attention rank. The floor is the same
 bytes handed A -> F -> A through torch shared-memory tensors with a spin-wait flag
 (two processes, measured in the same run; the spin yields the CPU so that an
 oversubscribed host does not starve the peer): what any same-host transport must pay
-at least. Prints a table of medians and the ratio connector/floor.
+at least. Prints a table of medians and the ratio connector/floor per connector, the
+machine and the load average before and after the run.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 TOKENS = (1, 16, 64, 256)
 HIDDEN = (2048, 7168)
 WARMUP = 20
+DEFAULT_CONNECTORS = ("P2pGlooAFDConnector", "P2pShmAFDConnector")
 
 
 def _configs() -> list[tuple[int, int]]:
@@ -140,6 +144,14 @@ def _machine() -> dict[str, Any]:
     }
 
 
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().strip()
+    except OSError:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=200, help="timed round trips per size")
@@ -147,10 +159,11 @@ def main() -> None:
     parser.add_argument(
         "--connector",
         action="append",
-        help="connector name(s) to measure (default: P2pGlooAFDConnector)",
+        help="connector name(s) to measure (default: P2pGlooAFDConnector, P2pShmAFDConnector)",
     )
     args = parser.parse_args()
-    connectors = args.connector or ["P2pGlooAFDConnector"]
+    connectors = args.connector or list(DEFAULT_CONNECTORS)
+    load_before = _loadavg()
 
     import torch
     import torch.multiprocessing as tmp
@@ -173,13 +186,16 @@ def main() -> None:
 
     machine = _machine()
     machine["load_avg_1m"] = os.getloadavg()[0]
+    machine["loadavg_before"] = load_before
+    machine["loadavg_after"] = _loadavg()
     print(
         f"machine: {machine['nproc']} CPUs, {machine['cpu']}, {machine['ram_gib']} GiB RAM; "
-        f"load average {machine['load_avg_1m']:.1f}; {args.iters} round trips per size, median ms"
+        f"/proc/loadavg before: {load_before}, after: {machine['loadavg_after']}; "
+        f"{args.iters} round trips per size, median ms"
     )
     header = f"{'tokens x hidden':>16} {'MiB':>6} {'shm floor':>10}"
     for name in connectors:
-        header += f" {name:>22} {'ratio':>6}"
+        header += f" {name:>20} {'ratio':>6}"
     print(header)
     rows = []
     for tokens, hidden in _configs():
@@ -189,7 +205,7 @@ def main() -> None:
         row: dict[str, Any] = {"tokens": tokens, "hidden": hidden, "floor_ms": f_ms}
         for name in connectors:
             c_ms = statistics.median(measured[name][key]) * 1e3
-            line += f" {c_ms:>22.3f} {c_ms / f_ms:>6.1f}"
+            line += f" {c_ms:>20.3f} {c_ms / f_ms:>6.1f}"
             row[name] = {"median_ms": c_ms, "ratio": c_ms / f_ms}
         rows.append(row)
         print(line)

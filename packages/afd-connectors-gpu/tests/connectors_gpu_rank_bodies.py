@@ -89,3 +89,51 @@ def bf16_round_trip(connector: Any, ctx: Any) -> Any:
 
 def hang_forever(connector: Any, ctx: Any) -> Any:
     time.sleep(3600)
+
+
+def attention_dies_mid_exchange(connector: Any, ctx: Any) -> Any:
+    """The attention process does one layer, then is SIGKILLed; the FFN waits for the next."""
+    if ctx.role is AFDRole.FFN:
+        batch = connector.recv_from_attention()
+        connector.send_to_attention(batch, FFNToAttention(batch.payload.hidden_states))
+        return _timed(lambda: connector.recv_from_attention(timeout_s=60.0))
+    hidden = torch.ones(4, 16, dtype=torch.bfloat16)
+    connector.send_to_ffn(AttentionToFFN(hidden), layer_idx=0)
+    connector.recv_from_ffn(layer_idx=0, timeout_s=30.0)
+    time.sleep(0.3)  # the FFN is waiting for layer 1 by now
+    os.kill(os.getpid(), signal.SIGKILL)
+    return None
+
+
+def oversized_message_then_normal(connector: Any, ctx: Any) -> Any:
+    """A message bigger than a ring slot is refused; the connector stays usable."""
+    if ctx.role is AFDRole.FFN:
+        batch = connector.recv_from_attention()
+        connector.send_to_attention(batch, FFNToAttention(batch.payload.hidden_states + 1))
+        return None
+    big = torch.zeros(64, 2048, dtype=torch.bfloat16)
+    refused = _timed(lambda: connector.send_to_ffn(AttentionToFFN(big), layer_idx=0))
+    small = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    connector.send_to_ffn(AttentionToFFN(small), layer_idx=0)
+    out = connector.recv_from_ffn(layer_idx=0)
+    return {"refused": refused["error"], "ok": bool(torch.equal(out.output, small + 1))}
+
+
+def many_layers_in_flight(connector: Any, ctx: Any) -> Any:
+    """More messages in flight than ring slots: the sender waits for free slots."""
+    layers = 12
+    if ctx.role is AFDRole.FFN:
+        for _ in range(layers):
+            batch = connector.recv_from_attention()
+            connector.send_to_attention(batch, FFNToAttention(batch.payload.hidden_states * 2))
+        return None
+    xs = [torch.randn(3, 8) for _ in range(layers)]
+    for layer in range(layers):
+        connector.send_to_ffn(AttentionToFFN(xs[layer]), layer_idx=layer)
+        if layer >= 2:  # keep three outstanding
+            out = connector.recv_from_ffn(layer_idx=layer - 2)
+            assert torch.equal(out.output, xs[layer - 2] * 2)
+    for layer in range(layers - 2, layers):
+        out = connector.recv_from_ffn(layer_idx=layer)
+        assert torch.equal(out.output, xs[layer] * 2)
+    return True

@@ -27,6 +27,39 @@ def _cmd_connectors(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from afd.serve import serve_attention, serve_ffn
+
+    _setup_logging()
+    if args.role == "ffn":
+        return serve_ffn(args.model, args.vllm_args)
+    return serve_attention(args.model, args.vllm_args)
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from afd.launch import run_launch
+
+    return run_launch(args)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from afd.demo import run_demo
+
+    return run_demo(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from afd.bench import run_bench
+
+    return run_bench(args)
+
+
+def _setup_logging() -> None:
+    from afd.plugin import configure_logging
+
+    configure_logging()
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="afd", description="Attention-FFN Disaggregation for vLLM")
     ap.add_argument("--version", action="version", version=f"afd {__version__}")
@@ -42,8 +75,53 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--overwrite", action="store_true")
     tiny.set_defaults(func=_cmd_models_tiny)
 
+    serve = sub.add_parser(
+        "serve",
+        help="start one AFD role (vLLM engine args pass through)",
+        description="Start one AFD role. Every argument after MODEL goes to vLLM "
+        "(the same engine/server arguments as `vllm serve`).",
+    )
+    serve.add_argument("--role", required=True, choices=["attention", "ffn"])
+    serve.add_argument("model", help="checkpoint directory (or model name)")
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="vLLM arguments")
+    serve.set_defaults(func=_cmd_serve)
+
     conn = sub.add_parser("connectors", help="list the installed AFD connectors")
     conn.set_defaults(func=_cmd_connectors)
+
+    from afd.bench import add_bench_arguments
+    from afd.demo import add_demo_arguments
+    from afd.launch import add_launch_arguments
+
+    launch = sub.add_parser(
+        "launch",
+        help="start a whole AFD deployment (FFN + Attention servers) until interrupted",
+        description="Start the FFN server(s), then the Attention server(s), wait until all "
+        "are ready, print the endpoints and run until Ctrl-C / SIGTERM (which stops every "
+        "role). Settings come from a TOML spec file and/or flags (flags win).",
+    )
+    add_launch_arguments(launch)
+    launch.set_defaults(func=_cmd_launch)
+
+    demo = sub.add_parser(
+        "demo",
+        help="tiny DeepSeek-V2 on 1 Attention + 1 FFN server vs native vLLM (token parity)",
+        description="Generate a tiny DeepSeek-V2 checkpoint (cached), serve it with 1 "
+        "Attention + 1 FFN server, generate greedily for fixed prompts, then serve it "
+        "natively with the same engine args and compare the token ids. Exit 0 on PASS.",
+    )
+    add_demo_arguments(demo)
+    demo.set_defaults(func=_cmd_demo)
+
+    bench = sub.add_parser(
+        "bench",
+        help="AFD 1A1F vs native vLLM: throughput, TTFT, TPOT per concurrency",
+        description="Run the same streaming workload against a native vLLM server and an "
+        "AFD 1 Attention + 1 FFN deployment (one after the other) and report output "
+        "tok/s, TTFT and TPOT (median, p99) and the AFD/native ratio; writes JSON + PNG.",
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
     return ap
 
 

@@ -17,6 +17,9 @@ AFD_ARCHITECTURES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "AFDDeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "AFDDeepseekV3ForCausalLM",
     "DeepseekV32ForCausalLM": "AFDDeepseekV32ForCausalLM",
+    "Qwen3MoeForCausalLM": "AFDQwen3MoeForCausalLM",
+    "Qwen3_5MoeForCausalLM": "AFDQwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "AFDQwen3_5MoeForConditionalGeneration",
 }
 
 #: AFD alias -> "module:Class" of its role-aware wrapper (resolved lazily by vLLM).
@@ -24,9 +27,51 @@ AFD_MODEL_ALIASES: dict[str, str] = {
     "AFDDeepseekV2ForCausalLM": "afd_models_deepseek.model:AFDDeepseekV2ForCausalLM",
     "AFDDeepseekV3ForCausalLM": "afd_models_deepseek.model:AFDDeepseekV3ForCausalLM",
     "AFDDeepseekV32ForCausalLM": "afd_models_deepseek.model:AFDDeepseekV32ForCausalLM",
+    "AFDQwen3MoeForCausalLM": "afd_models_qwen.qwen3_moe:AFDQwen3MoeForCausalLM",
+    "AFDQwen3_5MoeForCausalLM": "afd_models_qwen.qwen3_5_moe:AFDQwen3_5MoeForCausalLM",
+    "AFDQwen3_5MoeForConditionalGeneration": (
+        "afd_models_qwen.qwen3_5_moe:AFDQwen3_5MoeForConditionalGeneration"
+    ),
 }
 
 _registered = False
+
+
+#: Loggers of the afd packages; vLLM configures only its own ("vllm") logger.
+AFD_LOGGERS = (
+    "afd",
+    "afd_core",
+    "afd_connectors_gpu",
+    "afd_connectors_npu",
+    "afd_moe_runners",
+    "afd_models_deepseek",
+    "afd_models_qwen",
+)
+
+
+def configure_logging() -> None:
+    """Give the afd loggers a stderr handler in vLLM processes (INFO, vLLM-like format).
+
+    Respects ``VLLM_CONFIGURE_LOGGING=0`` and leaves loggers that already have handlers
+    (an application's own logging setup) alone.
+    """
+    import os
+
+    if os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
+        return
+    level = os.environ.get("AFD_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
+    formatter = logging.Formatter(
+        "%(levelname)s %(asctime)s [%(name)s] %(message)s", datefmt="%m-%d %H:%M:%S"
+    )
+    for name in AFD_LOGGERS:
+        log = logging.getLogger(name)
+        if log.handlers:
+            continue
+        handler = logging.StreamHandler()
+        handler.setFormatter(formatter)
+        log.addHandler(handler)
+        log.setLevel(level.upper())
+        log.propagate = False
 
 
 def register() -> None:
@@ -34,6 +79,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    configure_logging()
     if AFD_MODEL_ALIASES:
         from vllm import ModelRegistry
 

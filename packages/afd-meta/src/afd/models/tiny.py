@@ -14,6 +14,10 @@ feature the AFD split must handle:
   sigmoid scoring, ``routed_scaling_factor=2.5``, one shared expert.
 * ``qwen3_moe``: GQA attention with q/k norms, all layers MoE, ``norm_topk_prob=True``;
   variants ``no_norm_topk`` and ``dense_layers`` (``mlp_only_layers=[1]``).
+* ``qwen3_5_moe``: the text model of Qwen3.5/3.6-MoE (``Qwen3_5MoeForCausalLM``,
+  ``model_type=qwen3_5_moe_text``): hybrid layers (Gated DeltaNet linear attention
+  ``linear_attention`` x3, then gated full attention), every layer MoE with a gated
+  shared expert, ``norm_topk_prob=True``.
 
 Weights are drawn from one ``torch.Generator`` seeded with ``seed`` (parameters visited
 in name order), scaled ``1/sqrt(fan_in)`` so activations, router logits and output
@@ -171,6 +175,36 @@ def _qwen3_moe(variant: str | None) -> dict[str, Any]:
     raise ValueError(f"unknown qwen3_moe variant {variant!r}; known: no_norm_topk, dense_layers")
 
 
+def _qwen3_5_moe(variant: str | None) -> dict[str, Any]:
+    _no_variants("qwen3_5_moe", variant)
+    return {
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "layer_types": [
+            "linear_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+        ],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "hidden_act": "silu",
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    }
+
+
 def _no_variants(arch: str, variant: str | None) -> None:
     if variant is not None:
         raise ValueError(f"{arch} has no variants (got {variant!r})")
@@ -204,6 +238,9 @@ register_tiny_arch(
         _qwen3_moe,
         variants=("no_norm_topk", "dense_layers"),
     )
+)
+register_tiny_arch(
+    TinySpec("qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _qwen3_5_moe)
 )
 
 

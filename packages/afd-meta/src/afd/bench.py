@@ -1,0 +1,424 @@
+"""``afd bench``: AFD (1 Attention + 1 FFN) against native colocated vLLM, same machine.
+
+The same workload runs against a native vLLM API server and then against an AFD
+1A1F deployment (never both at once), each with the same engine arguments: for
+every concurrency level, ``requests`` streaming greedy completions of the fixed
+prompts (``output_len`` tokens each, ``ignore_eos``) are sent by ``concurrency``
+client threads. Per request the client records TTFT (time to the first streamed
+token) and TPOT ((latency - TTFT) / (tokens - 1), as vLLM's serving benchmark); per
+level it reports
+output throughput (tokens / wall time), TTFT and TPOT median and p99, and the
+AFD/native ratio. Results go to ``<out>/bench.json`` and ``<out>/bench.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from afd.demo import cache_dir, ensure_tiny_model, served_model
+from afd.launch import Deployment, DeploymentError, DeploymentSpec, forward_signals
+
+__all__ = ["RequestResult", "percentile", "run_bench", "run_level", "stream_completion"]
+
+MODES = ("native", "afd")
+
+
+@dataclass
+class RequestResult:
+    ttft_s: float
+    tpot_s: float | None
+    latency_s: float
+    output_tokens: int
+    error: str | None = None
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation between closest ranks."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def stream_completion(
+    base_url: str, model: str, prompt: str, max_tokens: int, timeout: float = 600.0
+) -> RequestResult:
+    """One streaming greedy completion; token timing from the server-sent events."""
+    payload = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t0 = time.perf_counter()
+    first = None
+    chunks = 0
+    usage_tokens = None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("usage"):
+                    usage_tokens = obj["usage"].get("completion_tokens")
+                if obj.get("choices") and obj["choices"][0].get("text") is not None:
+                    now = time.perf_counter()
+                    if obj["choices"][0].get("text") == "" and not obj["choices"][0].get(
+                        "finish_reason"
+                    ):
+                        continue
+                    first = first if first is not None else now
+                    chunks += 1
+    except Exception as exc:
+        end = time.perf_counter()
+        return RequestResult(math.nan, None, end - t0, 0, f"{type(exc).__name__}: {exc}")
+    end = time.perf_counter()
+    n = int(usage_tokens) if usage_tokens is not None else chunks
+    if first is None:
+        return RequestResult(math.nan, None, end - t0, n, "no tokens streamed")
+    # TPOT as in vLLM's serving benchmark: (latency - TTFT) / (output tokens - 1).
+    tpot = (end - first) / (n - 1) if n > 1 else None
+    return RequestResult(first - t0, tpot, end - t0, n)
+
+
+def run_level(
+    base_url: str,
+    prompts: Sequence[str],
+    concurrency: int,
+    num_requests: int,
+    output_len: int,
+    *,
+    on_done: Any = None,
+) -> dict[str, Any]:
+    """``num_requests`` streaming requests, ``concurrency`` at a time; summary stats."""
+    model = served_model(base_url)
+    results: list[RequestResult] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        r = stream_completion(base_url, model, prompts[i % len(prompts)], output_len)
+        with lock:
+            results.append(r)
+        if on_done is not None:
+            on_done()
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        list(pool.map(one, range(num_requests)))
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r.error is None]
+    errors = [r.error for r in results if r.error is not None]
+    tokens = sum(r.output_tokens for r in ok)
+    ttft = [r.ttft_s for r in ok]
+    tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
+    ms = 1000.0
+    return {
+        "concurrency": concurrency,
+        "requests": num_requests,
+        "completed": len(ok),
+        "errors": errors[:5],
+        "output_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "output_tok_s": round(tokens / wall, 2) if wall > 0 else 0.0,
+        "ttft_ms": {
+            "median": _r(statistics.median(ttft) * ms if ttft else math.nan),
+            "p99": _r(percentile(ttft, 99) * ms),
+        },
+        "tpot_ms": {
+            "median": _r(statistics.median(tpot) * ms if tpot else math.nan),
+            "p99": _r(percentile(tpot, 99) * ms),
+        },
+        "per_request": [asdict(r) for r in results],
+    }
+
+
+def _r(x: float) -> float | None:
+    return None if math.isnan(x) else round(x, 2)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_bench_arguments(ap: Any) -> None:
+    ap.add_argument(
+        "--model",
+        help="checkpoint (default: the tiny DeepSeek-V2, generated "
+        "under $AFD_CACHE_DIR or ~/.cache/afd)",
+    )
+    ap.add_argument("--cache-dir", help="where the tiny checkpoint lives")
+    ap.add_argument(
+        "--concurrency", default="1,4,8", help="comma-separated concurrency levels (default 1,4,8)"
+    )
+    ap.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=0,
+        help="requests per level (default: max(8, 4 x concurrency))",
+    )
+    ap.add_argument("--modes", default="native,afd", help="which servers: native,afd")
+    ap.add_argument("--gate-on-attention", action="store_true")
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--out", default="afd-bench", help="folder for bench.json and bench.png")
+    ap.add_argument("--log-dir", help="keep role logs here (default: a temporary folder)")
+    ap.add_argument("--verbose", action="store_true", help="stream role logs to the console")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument(
+        "--attention-cpus",
+        help="VLLM_CPU_OMP_THREADS_BIND of the AFD attention server (e.g. 0); default: vLLM's",
+    )
+    ap.add_argument(
+        "--ffn-cpus",
+        help="VLLM_CPU_OMP_THREADS_BIND of the AFD FFN server (e.g. 1); default: vLLM's",
+    )
+
+
+def run_bench(args: Any) -> int:
+    from afd.reference import FIXED_PROMPTS
+
+    try:
+        levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+        modes = [m.strip() for m in str(args.modes).split(",") if m.strip()]
+        if not levels or min(levels) < 1:
+            raise ValueError("concurrency levels must be ints >= 1")
+        bad = [m for m in modes if m not in MODES]
+        if bad or not modes:
+            raise ValueError(f"modes: expected some of {', '.join(MODES)}, got {args.modes!r}")
+        if args.output_len < 2:
+            raise ValueError("--output-len must be >= 2 (TPOT needs two tokens)")
+    except ValueError as exc:
+        print(f"afd bench: {exc}", file=sys.stderr)
+        return 2
+
+    def say(msg: str) -> None:
+        print(f"[bench] {msg}", flush=True)
+
+    t_total = time.monotonic()
+    if args.model:
+        model = Path(args.model).expanduser().absolute()
+    else:
+        model = ensure_tiny_model(cache_dir(args.cache_dir), log=say)
+    base = DeploymentSpec(
+        model=str(model),
+        max_model_len=args.max_model_len,
+        compute_gate_on_attention=bool(args.gate_on_attention),
+        startup_timeout_s=300.0,
+    )
+    if args.attention_cpus:
+        base.attention.env["VLLM_CPU_OMP_THREADS_BIND"] = args.attention_cpus
+    if args.ffn_cpus:
+        base.ffn.env["VLLM_CPU_OMP_THREADS_BIND"] = args.ffn_cpus
+    prompts = list(FIXED_PROMPTS)
+    per_level = {c: (args.requests or max(8, 4 * c)) for c in levels}
+    results: dict[str, Any] = {}
+    startup: dict[str, float] = {}
+
+    from tqdm import tqdm
+
+    with forward_signals():
+        try:
+            for mode in modes:
+                spec = base.replace(
+                    native=(mode == "native"),
+                    log_dir=None if args.log_dir is None else str(Path(args.log_dir) / mode),
+                )
+                say(f"starting {mode} ({'plain vLLM' if mode == 'native' else '1A1F'})")
+                dep = Deployment(spec, echo=args.verbose, console=sys.stdout, name=f"bench-{mode}")
+                with dep:
+                    startup[mode] = round(dep.startup_s or 0.0, 1)
+                    model_name = served_model(dep.url)
+                    for p in prompts[: max(levels)]:  # warm-up (not measured)
+                        stream_completion(dep.url, model_name, p, 4)
+                    results[mode] = {}
+                    total = sum(per_level.values())
+                    with tqdm(total=total, desc=f"{mode}", unit="req", file=sys.stderr) as bar:
+                        for c in levels:
+                            bar.set_description(f"{mode} c={c}")
+                            results[mode][str(c)] = run_level(
+                                dep.url,
+                                prompts,
+                                c,
+                                per_level[c],
+                                args.output_len,
+                                on_done=lambda: bar.update(1),
+                            )
+        except DeploymentError as exc:
+            say(f"FAILED: {exc}")
+            return 1
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                raise
+            say(f"interrupted ({exc}); stopped")
+            return 130
+
+    report = {
+        "settings": {
+            "model": str(model),
+            "concurrency": levels,
+            "requests_per_level": {str(c): n for c, n in per_level.items()},
+            "output_len": args.output_len,
+            "prompts": len(prompts),
+            "dtype": base.dtype,
+            "max_model_len": base.max_model_len,
+            "kv_cache_memory_bytes": base.kv_cache_memory_bytes,
+            "enforce_eager": base.enforce_eager,
+            "compute_gate_on_attention": base.compute_gate_on_attention,
+            "thread_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+            "attention_cpus": args.attention_cpus,
+            "ffn_cpus": args.ffn_cpus,
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "startup_s": startup,
+        "results": results,
+        "ratio_afd_over_native": _ratios(results, levels),
+        "total_s": round(time.monotonic() - t_total, 1),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    print(format_table(report))
+    say(f"wrote {out / 'bench.json'}")
+    if not args.no_plot:
+        try:
+            png = plot(report, out / "bench.png")
+            say(f"wrote {png}")
+        except ImportError:
+            say("matplotlib is not installed (dependency group 'bench'): no plot")
+    say(f"total {report['total_s']:.0f} s")
+    failed = any(lv["completed"] < lv["requests"] for m in results.values() for lv in m.values())
+    return 1 if failed else 0
+
+
+def _ratios(results: dict[str, Any], levels: Sequence[int]) -> dict[str, Any]:
+    if "native" not in results or "afd" not in results:
+        return {}
+    out = {}
+    for c in levels:
+        n, a = results["native"][str(c)], results["afd"][str(c)]
+
+        def div(x: float | None, y: float | None) -> float | None:
+            return round(x / y, 3) if x is not None and y else None
+
+        out[str(c)] = {
+            "output_tok_s": div(a["output_tok_s"], n["output_tok_s"]),
+            "ttft_median": div(a["ttft_ms"]["median"], n["ttft_ms"]["median"]),
+            "tpot_median": div(a["tpot_ms"]["median"], n["tpot_ms"]["median"]),
+        }
+    return out
+
+
+def format_table(report: dict[str, Any]) -> str:
+    res = report["results"]
+    ratio = report["ratio_afd_over_native"]
+    modes = [m for m in MODES if m in res]
+    head = ["conc"]
+    for m in modes:
+        head += [f"{m} tok/s", f"{m} TTFT ms p50/p99", f"{m} TPOT ms p50/p99"]
+    if ratio:
+        head += ["AFD/native tok/s", "TPOT ratio"]
+    rows = [head]
+    for c in report["settings"]["concurrency"]:
+        row = [str(c)]
+        for m in modes:
+            lv = res[m][str(c)]
+            row += [
+                f"{lv['output_tok_s']:.1f}",
+                f"{_f(lv['ttft_ms']['median'])}/{_f(lv['ttft_ms']['p99'])}",
+                f"{_f(lv['tpot_ms']['median'])}/{_f(lv['tpot_ms']['p99'])}",
+            ]
+        if ratio:
+            row += [_f(ratio[str(c)]["output_tok_s"], 2), _f(ratio[str(c)]["tpot_median"], 2)]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def plot(report: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = report["results"]
+    levels = report["settings"]["concurrency"]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = [
+        ("output tok/s", lambda lv: lv["output_tok_s"], None),
+        (
+            "TTFT ms (p50 solid, p99 dashed)",
+            lambda lv: lv["ttft_ms"]["median"],
+            lambda lv: lv["ttft_ms"]["p99"],
+        ),
+        (
+            "TPOT ms (p50 solid, p99 dashed)",
+            lambda lv: lv["tpot_ms"]["median"],
+            lambda lv: lv["tpot_ms"]["p99"],
+        ),
+    ]
+    for ax, (title, get, get99) in zip(axes, panels, strict=True):
+        for mode, color in (("native", "tab:blue"), ("afd", "tab:orange")):
+            if mode not in res:
+                continue
+            ys = [get(res[mode][str(c)]) for c in levels]
+            label = "native vLLM" if mode == "native" else "AFD 1A1F"
+            ax.plot(levels, ys, "o-", color=color, label=label)
+            if get99 is not None:
+                ax.plot(
+                    levels,
+                    [get99(res[mode][str(c)]) for c in levels],
+                    "x--",
+                    color=color,
+                    alpha=0.6,
+                )
+        ax.set_title(title)
+        ax.set_xlabel("concurrency")
+        ax.set_xticks(levels)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    s = report["settings"]
+    fig.suptitle(
+        f"AFD 1A1F vs native vLLM, {Path(s['model']).name}, {s['output_len']} output tokens, "
+        f"{report['machine']['cpus']} CPUs"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

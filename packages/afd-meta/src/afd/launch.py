@@ -1,0 +1,1021 @@
+"""``afd launch``: start a whole AFD deployment (FFN + Attention servers) on one machine.
+
+A :class:`DeploymentSpec` says what to run (checkpoint, ``num_attention`` x
+``num_ffn`` servers, gate placement, dtype, KV cache, extra vLLM args, ports, env,
+log directory). It is built from keyword arguments, from the ``afd launch`` flags
+or from a small TOML file (:meth:`DeploymentSpec.from_toml`)::
+
+    model = "~/.cache/afd/tiny-deepseek_v2"
+    num_attention = 2
+    num_ffn = 1
+    [afd]
+    connect_timeout_s = 120
+
+A :class:`Deployment` (a context manager) starts the FFN server(s), then the
+Attention server(s), each as ``python -m afd.cli serve --role ...`` in its own
+process group with a per-deployment ``TMPDIR``; it streams every role's output with
+a prefix (``[ffn0] ``, ``[attn] ``) to the console and to ``<log_dir>/<role>.log``,
+waits for the FFN readiness marker and the Attention ``/health`` endpoints, and
+tears everything down (SIGTERM to every process group, SIGKILL after a grace
+period, then a check that no process of the groups is left). A role that exits
+during start-up raises :class:`DeploymentError` with its last log lines.
+
+``DeploymentSpec(native=True)`` runs one plain vLLM OpenAI API server with the same
+engine arguments instead: the baseline for ``afd demo`` and ``afd bench``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import difflib
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = [
+    "DEFAULT_KV_CACHE_BYTES",
+    "Deployment",
+    "DeploymentError",
+    "DeploymentSpec",
+    "RoleOverrides",
+    "RoleProcess",
+    "SpecError",
+    "allocate_ports",
+    "prefix_lines",
+    "role_env",
+]
+
+DEFAULT_KV_CACHE_BYTES = 64 * 1024 * 1024
+FFN_READY_MARKER = "AFD FFN server ready"  # afd.ffn_server.READY_MARKER (no vLLM import here)
+TAIL_LINES = 30
+_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# vLLM options the launcher sets itself (per role); users set them with spec fields.
+_MANAGED_VLLM_OPTIONS = {
+    "--model": "model",
+    "--port": "http_port",
+    "--host": "host",
+    "--additional-config": "afd (a table of extra afd keys)",
+    "--dtype": "dtype",
+    "--max-model-len": "max_model_len",
+    "--kv-cache-memory-bytes": "kv_cache_memory_bytes",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
+}
+# afd keys the launcher sets itself.
+_MANAGED_AFD_KEYS = {
+    "role": "(one per process)",
+    "rank": "(one per process)",
+    "port": "connector_port",
+    "host": "host",
+    "num_attention_ranks": "num_attention",
+    "num_ffn_ranks": "num_ffn",
+    "compute_gate_on_attention": "compute_gate_on_attention",
+}
+
+
+class SpecError(ValueError):
+    """An invalid deployment spec (the message names the field and what is allowed)."""
+
+
+class DeploymentError(RuntimeError):
+    """A deployment failed to start (a role exited, or start-up timed out)."""
+
+
+# --------------------------------------------------------------------------- spec
+
+
+@dataclass
+class RoleOverrides:
+    """Per-role settings (TOML tables ``[attention]`` / ``[ffn]``)."""
+
+    model: str | None = None
+    """Checkpoint for this role only (default: the spec's ``model``)."""
+    vllm_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class DeploymentSpec:
+    """What to deploy. All fields but ``model`` have defaults sized for tiny CPU models."""
+
+    model: str
+    num_attention: int = 1
+    num_ffn: int = 1
+    compute_gate_on_attention: bool = False
+    dtype: str = "bfloat16"
+    max_model_len: int = 256
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
+    gpu_memory_utilization: float = 0.1
+    enforce_eager: bool = True
+    vllm_args: list[str] = field(default_factory=list)
+    """Extra vLLM engine/server args for every role."""
+    afd: dict[str, Any] = field(default_factory=dict)
+    """Extra ``additional_config["afd"]`` keys (routing_payload, timeouts, connector...)."""
+    host: str = "127.0.0.1"
+    http_port: int = 0
+    """HTTP port of attention server 0 (server i gets http_port + i); 0 = free ports."""
+    connector_port: int = 0
+    """The AFD connector's rendezvous port; 0 = a free port."""
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: str | None = None
+    """Per-role log files; default: a ``logs`` folder in the deployment's work dir."""
+    startup_timeout_s: float = 600.0
+    attention: RoleOverrides = field(default_factory=RoleOverrides)
+    ffn: RoleOverrides = field(default_factory=RoleOverrides)
+    native: bool = False
+    """Run one plain vLLM API server (no AFD) with the same engine args: the baseline."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- validation ----------------------------------------------------------------
+    def validate(self) -> None:
+        def fail(name: str, expected: str, value: Any) -> SpecError:
+            return SpecError(f"{name}: expected {expected}, got {value!r} ({type(value).__name__})")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not isinstance(self.model, str | os.PathLike) or not str(self.model).strip():
+            raise fail("model", "a checkpoint directory or model name", self.model)
+        self.model = str(self.model)
+        for name in ("num_attention", "num_ffn"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise fail(name, "an int >= 1", v)
+        if self.num_ffn > self.num_attention:
+            raise SpecError(
+                f"num_ffn: {self.num_ffn} FFN servers for {self.num_attention} attention servers "
+                "would leave FFN servers without peers (attention rank a talks to FFN rank "
+                "a % num_ffn); use num_ffn <= num_attention"
+            )
+        if self.native and (self.num_attention, self.num_ffn) != (1, 1):
+            raise SpecError("native: a native baseline is one server; leave num_attention/num_ffn")
+        if not isinstance(self.compute_gate_on_attention, bool):
+            raise fail("compute_gate_on_attention", "true or false", self.compute_gate_on_attention)
+        if self.dtype not in _DTYPES:
+            raise fail("dtype", "one of " + ", ".join(_DTYPES), self.dtype)
+        if not is_int(self.max_model_len) or self.max_model_len < 1:
+            raise fail("max_model_len", "an int >= 1", self.max_model_len)
+        if not is_int(self.kv_cache_memory_bytes) or self.kv_cache_memory_bytes < 1:
+            raise fail("kv_cache_memory_bytes", "an int >= 1 (bytes)", self.kv_cache_memory_bytes)
+        g = self.gpu_memory_utilization
+        if not isinstance(g, int | float) or isinstance(g, bool) or not 0 < g <= 1:
+            raise fail("gpu_memory_utilization", "a number in (0, 1]", g)
+        if not isinstance(self.enforce_eager, bool):
+            raise fail("enforce_eager", "true or false", self.enforce_eager)
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise fail("host", "a host name or IP address", self.host)
+        for name in ("http_port", "connector_port"):
+            v = getattr(self, name)
+            if not is_int(v) or not 0 <= v <= 65535:
+                raise fail(name, "an int in 0..65535 (0 = pick a free port)", v)
+        if self.http_port and self.connector_port == self.http_port:
+            raise SpecError(
+                f"connector_port: {self.connector_port} collides with the attention HTTP port"
+            )
+        t = self.startup_timeout_s
+        if not isinstance(t, int | float) or isinstance(t, bool) or t <= 0:
+            raise fail("startup_timeout_s", "a number of seconds > 0", t)
+        if not isinstance(self.native, bool):
+            raise fail("native", "true or false", self.native)
+        if self.log_dir is not None:
+            if not isinstance(self.log_dir, str | os.PathLike) or not str(self.log_dir):
+                raise fail("log_dir", "a directory path", self.log_dir)
+            self.log_dir = str(self.log_dir)
+        self.vllm_args = _check_args("vllm_args", self.vllm_args)
+        self.env = _check_env("env", self.env)
+        for role in ("attention", "ffn"):
+            ov = getattr(self, role)
+            if isinstance(ov, Mapping):
+                ov = _overrides_from_mapping(role, ov)
+                setattr(self, role, ov)
+            if not isinstance(ov, RoleOverrides):
+                raise fail(role, "a table with model / vllm_args / env", ov)
+            if ov.model is not None and (not isinstance(ov.model, str) or not ov.model.strip()):
+                raise fail(f"{role}.model", "a checkpoint directory or model name", ov.model)
+            ov.vllm_args = _check_args(f"{role}.vllm_args", ov.vllm_args)
+            ov.env = _check_env(f"{role}.env", ov.env)
+        self._check_afd()
+
+    def _check_afd(self) -> None:
+        if not isinstance(self.afd, Mapping):
+            raise SpecError(f"afd: expected a table of afd keys, got {self.afd!r}")
+        self.afd = dict(self.afd)
+        for key in self.afd:
+            if key in _MANAGED_AFD_KEYS:
+                raise SpecError(
+                    f"afd.{key}: set by the launcher; use the spec field {_MANAGED_AFD_KEYS[key]}"
+                )
+        from afd_core.config import AFDConfig
+        from afd_core.errors import AFDConfigError
+
+        try:  # the same checks the roles will run, but now, with the spec's wording
+            AFDConfig.parse(self.afd_section("attention", 0, port=1))
+        except AFDConfigError as exc:
+            raise SpecError(str(exc)) from None
+
+    # -- derived -------------------------------------------------------------------
+    def afd_section(self, role: str, rank: int, *, port: int) -> dict[str, Any]:
+        return {
+            **self.afd,
+            "role": role,
+            "rank": rank,
+            "host": self.host,
+            "port": port,
+            "num_attention_ranks": self.num_attention,
+            "num_ffn_ranks": self.num_ffn,
+            "compute_gate_on_attention": self.compute_gate_on_attention,
+        }
+
+    def engine_args(self) -> list[str]:
+        """vLLM engine args shared by every role (and by the native baseline)."""
+        args = [
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+        ]  # fmt: skip
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        return args + list(self.vllm_args)
+
+    # -- loading -------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, base_dir: Path | None = None) -> DeploymentSpec:
+        """Build from a mapping (a parsed TOML file); relative paths resolve against base_dir."""
+        if not isinstance(data, Mapping):
+            raise SpecError(f"expected a table, got {type(data).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        aliases = {"attention_servers": "num_attention", "ffn_servers": "num_ffn"}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            key = aliases.get(key, key)
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise SpecError(f"unknown key {key!r}{hint}; known keys: {', '.join(names)}")
+            kwargs[key] = value
+        if "model" not in kwargs:
+            raise SpecError("model: missing (the checkpoint directory or model name)")
+        if base_dir is not None:
+            kwargs["model"] = _resolve_model(kwargs["model"], base_dir)
+            if isinstance(kwargs.get("log_dir"), str):
+                kwargs["log_dir"] = str(base_dir / Path(kwargs["log_dir"]).expanduser())
+            for role in ("attention", "ffn"):
+                table = kwargs.get(role)
+                if isinstance(table, Mapping) and isinstance(table.get("model"), str):
+                    kwargs[role] = {**table, "model": _resolve_model(table["model"], base_dir)}
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> DeploymentSpec:
+        p = Path(path).expanduser()
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise SpecError(f"{p}: no such spec file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SpecError(f"{p}: not valid TOML: {exc}") from None
+        try:
+            return cls.from_dict(data, base_dir=p.resolve().parent)
+        except SpecError as exc:
+            raise SpecError(f"{p}: {exc}") from None
+
+    def replace(self, **changes: Any) -> DeploymentSpec:
+        return dataclasses.replace(self, **changes)
+
+
+def _resolve_model(model: Any, base_dir: Path) -> Any:
+    if not isinstance(model, str):
+        return model
+    expanded = Path(model).expanduser()
+    if expanded.is_absolute():
+        return str(expanded)
+    candidate = base_dir / expanded
+    # A relative path that exists next to the spec file; otherwise a hub name.
+    if candidate.exists() or model.startswith((".", "/")):
+        return str(candidate)
+    return model
+
+
+def _check_args(name: str, args: Any) -> list[str]:
+    if isinstance(args, str) or not isinstance(args, Sequence):
+        raise SpecError(f"{name}: expected a list of strings, got {args!r}")
+    out = []
+    for a in args:
+        if not isinstance(a, str | int | float) or isinstance(a, bool):
+            raise SpecError(f"{name}: expected a list of strings, got item {a!r}")
+        out.append(str(a))
+    for a in out:
+        opt = a.split("=", 1)[0]
+        if opt in _MANAGED_VLLM_OPTIONS:
+            raise SpecError(
+                f"{name}: {opt} is set by the launcher; use the spec field "
+                f"{_MANAGED_VLLM_OPTIONS[opt]}"
+            )
+    return out
+
+
+def _check_env(name: str, env: Any) -> dict[str, str]:
+    if not isinstance(env, Mapping):
+        raise SpecError(f'{name}: expected a table of NAME = "value", got {env!r}')
+    out = {}
+    for k, v in env.items():
+        if not isinstance(k, str) or not k or "=" in k:
+            raise SpecError(f"{name}: invalid variable name {k!r}")
+        if isinstance(v, bool) or not isinstance(v, str | int | float):
+            raise SpecError(f"{name}.{k}: expected a string, got {v!r} ({type(v).__name__})")
+        out[k] = str(v)
+    return out
+
+
+def _overrides_from_mapping(role: str, table: Mapping[str, Any]) -> RoleOverrides:
+    names = [f.name for f in dataclasses.fields(RoleOverrides)]
+    for key in table:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SpecError(f"{role}: unknown key {key!r}{hint}; known keys: {', '.join(names)}")
+    return RoleOverrides(**dict(table))
+
+
+# --------------------------------------------------------------------------- ports
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def allocate_ports(spec: DeploymentSpec, *, avoid: Iterable[int] = ()) -> tuple[list[int], int]:
+    """``(http ports of the attention servers, connector port)``: all distinct.
+
+    Fixed ports from the spec are bind-tested (a :class:`DeploymentError` names the
+    one in use); 0 picks free ports from the OS, holding every test socket open until
+    all are chosen so that no two roles get the same one.
+    """
+    n_http = 1  # one attention server; its data-parallel ranks are the attention ranks
+    taken = set(avoid)
+    held: list[socket.socket] = []
+
+    def pick() -> int:
+        for _ in range(100):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((spec.host, 0))
+            port = s.getsockname()[1]
+            held.append(s)
+            if port not in taken:
+                taken.add(port)
+                return int(port)
+        raise DeploymentError("could not find a free port")
+
+    try:
+        if spec.http_port:
+            http = list(range(spec.http_port, spec.http_port + n_http))
+            for i, p in enumerate(http):
+                if p in taken or not _port_free(spec.host, p):
+                    raise DeploymentError(
+                        f"port {p} (HTTP of attention server {i}) is in use; "
+                        "choose another http_port or 0 for free ports"
+                    )
+            taken.update(http)
+        else:
+            http = [pick() for _ in range(n_http)]
+        if spec.native:
+            return http, 0
+        if spec.connector_port:
+            p = spec.connector_port
+            if p in taken or not _port_free(spec.host, p):
+                raise DeploymentError(
+                    f"port {p} (AFD connector rendezvous) is in use or taken by an HTTP port; "
+                    "choose another connector_port or 0 for a free port"
+                )
+            conn = p
+        else:
+            conn = pick()
+        return http, conn
+    finally:
+        for s in held:
+            s.close()
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def prefix_lines(prefix: str, text: str) -> str:
+    """Every line of ``text`` with ``prefix`` in front (a trailing newline kept)."""
+    if not text:
+        return ""
+    lines = text.splitlines(keepends=True)
+    out = "".join(prefix + line for line in lines)
+    return out if out.endswith("\n") else out + "\n"
+
+
+def role_env(spec: DeploymentSpec, role: str, tmp_dir: Path) -> dict[str, str]:
+    """Environment of one role process."""
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB; it overrides kv_cache_memory_bytes
+    env["TMPDIR"] = str(tmp_dir)
+    env["PYTHONUNBUFFERED"] = "1"
+    if "VLLM_TARGET_DEVICE" not in env and _is_vllm_cpu_dist():
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    env.update(spec.env)
+    if role in ("attention", "ffn"):
+        env.update(getattr(spec, role).env)
+    return env
+
+
+# vLLM binds ZMQ IPC sockets at $TMPDIR/<uuid4> (36 characters); a Unix socket path
+# has at most 107 characters.
+MAX_TMPDIR_LEN = 107 - 37 - 8
+
+
+def role_tmp_dir(work_dir: Path) -> Path:
+    """The TMPDIR of a deployment's roles: ``work_dir/tmp``, or a fresh folder in /tmp
+    when that path is too long for vLLM's IPC socket names."""
+    tmp = work_dir / "tmp"
+    if len(str(tmp)) > MAX_TMPDIR_LEN:
+        return Path(tempfile.mkdtemp(prefix="afd-", dir="/tmp"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    return tmp
+
+
+def _is_vllm_cpu_dist() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name, result in (("vllm", False), ("vllm-cpu", True)):
+        try:
+            version(name)
+            return result
+        except PackageNotFoundError:
+            continue
+    return False
+
+
+class RoleProcess:
+    """One role process: its command, output pump, log file and readiness."""
+
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        rank: int,
+        cmd: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        *,
+        http_url: str | None = None,
+    ) -> None:
+        self.name = name
+        self.role = role
+        self.rank = rank
+        self.cmd = cmd
+        self.env = env
+        self.log_path = log_path
+        self.http_url = http_url
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pgid: int | None = None
+        self.ready = False
+        self.ready_at: float | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=200)
+        self._marker_seen = threading.Event()
+        self._pump: threading.Thread | None = None
+
+    @property
+    def prefix(self) -> str:
+        return f"[{self.name}] "
+
+    def start(self, console: IO[str] | None, lock: threading.Lock) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("w", encoding="utf-8")
+        log.write(f"# {' '.join(self.cmd)}\n")
+        log.flush()
+        self.proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: signals reach all its children
+        )
+        self.pgid = self.proc.pid
+        self._pump = threading.Thread(
+            target=self._pump_output,
+            args=(log, console, lock),
+            name=f"afd-log-{self.name}",
+            daemon=True,
+        )
+        self._pump.start()
+
+    def _pump_output(self, log: IO[str], console: IO[str] | None, lock: threading.Lock) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        try:
+            for raw in iter(self.proc.stdout.readline, b""):
+                line = raw.decode("utf-8", errors="replace")
+                if not line.endswith("\n"):
+                    line += "\n"
+                self.tail.append(line)
+                if self.role == "ffn" and FFN_READY_MARKER in line:
+                    self._marker_seen.set()
+                log.write(line)
+                log.flush()
+                if console is not None:
+                    with lock, contextlib.suppress(Exception):
+                        console.write(self.prefix + line)
+                        console.flush()
+        finally:
+            log.close()
+
+    def join_output(self, timeout: float = 5.0) -> None:
+        if self._pump is not None:
+            self._pump.join(timeout)
+
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def check_ready(self) -> bool:
+        if self.ready:
+            return True
+        if self.role == "ffn":
+            ok = self._marker_seen.is_set()
+        else:
+            ok = _http_ok(f"{self.http_url}/health")
+        if ok:
+            self.ready = True
+            self.ready_at = time.monotonic()
+        return ok
+
+    def last_lines(self, n: int = TAIL_LINES) -> list[str]:
+        return list(self.tail)[-n:]
+
+    def group_alive(self) -> bool:
+        """Whether any (non-zombie) process of this role's process group is left."""
+        if self.pgid is None:
+            return False
+        return bool(_group_members(self.pgid))
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) pids whose process group is ``pgid`` (from /proc)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...: comm may contain spaces; split after ')'.
+        rest = stat.rsplit(")", 1)[-1].split()
+        if len(rest) >= 3 and rest[0] not in ("Z", "X") and int(rest[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+def _http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+# --------------------------------------------------------------------------- deployment
+
+
+class Deployment:
+    """Start, watch and stop the processes of one :class:`DeploymentSpec`.
+
+    ``with Deployment(spec) as dep:`` starts every role and waits until all are ready
+    (or raises :class:`DeploymentError`); leaving the block stops them.
+    ``echo=False`` keeps role output in the log files only (progress is still shown).
+    """
+
+    def __init__(
+        self,
+        spec: DeploymentSpec,
+        *,
+        console: IO[str] | None = None,
+        echo: bool = True,
+        progress_every_s: float = 15.0,
+        name: str = "afd",
+    ) -> None:
+        self.spec = spec
+        self.console = console if console is not None else sys.stderr
+        self.echo = echo
+        self.progress_every_s = progress_every_s
+        self.name = name
+        self.roles: list[RoleProcess] = []
+        self.work_dir: Path | None = None
+        self.tmp_dir: Path | None = None
+        self.log_dir: Path | None = None
+        self.http_ports: list[int] = []
+        self.connector_port = 0
+        self.started_at: float | None = None
+        self.startup_s: float | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    # -- info ----------------------------------------------------------------------
+    @property
+    def endpoints(self) -> list[str]:
+        """Base URLs of the OpenAI-compatible servers (``http://host:port``)."""
+        return [r.http_url for r in self.roles if r.http_url]
+
+    @property
+    def url(self) -> str:
+        return self.endpoints[0]
+
+    def say(self, msg: str) -> None:
+        with self._lock, contextlib.suppress(Exception):
+            self.console.write(f"[{self.name}] {msg}\n")
+            self.console.flush()
+
+    # -- commands ------------------------------------------------------------------
+    def _build_roles(self) -> None:
+        spec = self.spec
+        assert self.work_dir is not None and self.log_dir is not None
+        tmp = self.tmp_dir = role_tmp_dir(self.work_dir)
+        py = sys.executable
+        if spec.native:
+            port = self.http_ports[0]
+            url = f"http://{spec.host}:{port}"
+            cmd = [
+                py, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
+                *spec.engine_args(), *spec.attention.vllm_args,
+                "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
+                "--host", spec.host, "--port", str(port),
+            ]  # fmt: skip
+            env = role_env(spec, "attention", tmp)
+            self.roles.append(
+                RoleProcess(
+                    "native0", "native", 0, cmd, env, self.log_dir / "native0.log", http_url=url
+                )
+            )
+            return
+        for rank in range(spec.num_ffn):
+            afd = spec.afd_section("ffn", rank, port=self.connector_port)
+            cmd = [
+                py, "-m", "afd.cli", "serve", "--role", "ffn", spec.ffn.model or spec.model,
+                *spec.engine_args(), *spec.ffn.vllm_args,
+                "--additional-config", json.dumps({"afd": afd}),
+            ]  # fmt: skip
+            self.roles.append(
+                RoleProcess(
+                    f"ffn{rank}",
+                    "ffn",
+                    rank,
+                    cmd,
+                    role_env(spec, "ffn", tmp),
+                    self.log_dir / f"ffn{rank}.log",
+                )
+            )
+        # All attention ranks are the data-parallel ranks of ONE vLLM server: vLLM keeps
+        # DP ranks in lock step (idle ranks run dummy batches), which the FFN fan-in
+        # needs; each rank's AFD rank is its DP rank. Independent servers would not step
+        # together, and an FFN rank would wait forever for an idle peer.
+        port = self.http_ports[0]
+        afd = spec.afd_section("attention", 0, port=self.connector_port)
+        del afd["rank"]
+        dp = ["--data-parallel-size", str(spec.num_attention)] if spec.num_attention > 1 else []
+        cmd = [
+            py, "-m", "afd.cli", "serve", "--role", "attention",
+            spec.attention.model or spec.model,
+            *spec.engine_args(), *spec.attention.vllm_args, *dp,
+            "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
+            "--host", spec.host, "--port", str(port),
+            "--additional-config", json.dumps({"afd": afd}),
+        ]  # fmt: skip
+        self.roles.append(
+            RoleProcess(
+                "attn",
+                "attention",
+                0,
+                cmd,
+                role_env(spec, "attention", tmp),
+                self.log_dir / "attn.log",
+                http_url=f"http://{spec.host}:{port}",
+            )
+        )
+
+    # -- lifecycle -----------------------------------------------------------------
+    def start(self) -> Deployment:
+        spec = self.spec
+        self.started_at = time.monotonic()
+        self.work_dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-launch-"))
+        self.log_dir = Path(spec.log_dir).expanduser() if spec.log_dir else self.work_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.http_ports, self.connector_port = allocate_ports(spec)
+        self._build_roles()
+        what = "native vLLM" if spec.native else f"{spec.num_attention}A{spec.num_ffn}F"
+        self.say(
+            f"starting {what} deployment of {spec.model} "
+            + (f"(connector port {self.connector_port}) " if not spec.native else "")
+            + f"logs in {self.log_dir}"
+        )
+        console = self.console if self.echo else None
+        try:
+            for role in self.roles:  # FFN servers first, then the attention servers
+                role.start(console, self._lock)
+                self.say(
+                    f"{role.name}: pid {role.pgid}"
+                    + (f", {role.http_url}" if role.http_url else "")
+                )
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - self.started_at
+        return self
+
+    def _status_line(self) -> str:
+        parts = []
+        for r in self.roles:
+            parts.append(f"{r.name} {'ready' if r.ready else 'starting'}")
+        return ", ".join(parts)
+
+    def _wait_ready(self) -> None:
+        assert self.started_at is not None
+        deadline = self.started_at + self.spec.startup_timeout_s
+        next_progress = time.monotonic() + self.progress_every_s
+        while True:
+            for r in self.roles:
+                rc = r.returncode()
+                if rc is not None:
+                    self._fail_role(r, f"exited with code {rc} during start-up")
+                if not r.ready and r.check_ready():
+                    self.say(
+                        f"{r.name} ready after {r.ready_at - self.started_at:.1f} s"
+                        if r.ready_at
+                        else f"{r.name} ready"
+                    )
+            if all(r.ready for r in self.roles):
+                elapsed = time.monotonic() - self.started_at
+                self.say(f"all roles ready in {elapsed:.1f} s")
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                pending = [r for r in self.roles if not r.ready]
+                self._fail_role(
+                    pending[0],
+                    f"not ready after {self.spec.startup_timeout_s:.0f} s (startup_timeout_s)",
+                )
+            if now >= next_progress:
+                self.say(f"{now - self.started_at:.0f} s: {self._status_line()}")
+                next_progress = now + self.progress_every_s
+            time.sleep(0.5)
+
+    def _fail_role(self, role: RoleProcess, what: str) -> None:
+        role.join_output(2.0)
+        lines = role.last_lines()
+        msg = f"{role.name} {what}; last {len(lines)} log lines ({role.log_path}):"
+        self.say(msg)
+        with self._lock, contextlib.suppress(Exception):
+            for line in lines:
+                self.console.write(role.prefix + line)
+            self.console.flush()
+        raise DeploymentError(f"{role.name} {what} (log: {role.log_path})")
+
+    def poll(self) -> RoleProcess | None:
+        """The first role whose process has exited, if any."""
+        for r in self.roles:
+            if r.returncode() is not None:
+                return r
+        return None
+
+    def wait(self, poll_s: float = 0.5) -> RoleProcess:
+        """Block until a role exits; return it (interrupt with a signal to stop)."""
+        while True:
+            r = self.poll()
+            if r is not None:
+                return r
+            time.sleep(poll_s)
+
+    def stop(self, grace_s: float = 10.0) -> bool:
+        """SIGTERM every process group, SIGKILL after ``grace_s``; True if none is left."""
+        if self._stopped:
+            return True
+        self._stopped = True
+        started = [r for r in self.roles if r.pgid is not None]
+        if started:
+            self.say("stopping: SIGTERM to " + ", ".join(r.name for r in started))
+        for r in started:
+            _signal_group(r.pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(r.group_alive() for r in started):
+            for r in started:  # reap our direct children
+                r.returncode()
+            time.sleep(0.1)
+        left = [r for r in started if r.group_alive()]
+        for r in left:
+            self.say(f"{r.name}: still running after {grace_s:.0f} s; SIGKILL")
+            _signal_group(r.pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(r.group_alive() for r in started):
+            for r in started:
+                r.returncode()
+            time.sleep(0.1)
+        for r in started:
+            if r.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    r.proc.wait(timeout=1.0)
+            r.join_output(2.0)
+        survivors = {r.name: _group_members(r.pgid) for r in started if r.pgid is not None}
+        survivors = {k: v for k, v in survivors.items() if v}
+        if survivors:
+            self.say(f"WARNING: processes left after teardown: {survivors}")
+        elif started:
+            self.say("stopped; no process left")
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        return not survivors
+
+    def exit_codes(self) -> dict[str, int | None]:
+        return {r.name: r.returncode() for r in self.roles}
+
+    def __enter__(self) -> Deployment:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int | None, sig: signal.Signals) -> None:
+    if pgid is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+class _Interrupted(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def forward_signals() -> Any:
+    """Turn the first SIGINT/SIGTERM into :class:`_Interrupted` (later ones are ignored
+    while the deployment is torn down)."""
+    fired: list[int] = []
+
+    def handler(signum: int, _frame: Any) -> None:
+        if fired:
+            return
+        fired.append(signum)
+        raise _Interrupted(signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def spec_from_args(args: Any) -> DeploymentSpec:
+    """A spec from ``afd launch`` arguments (a TOML file and/or flags; flags win)."""
+    data: dict[str, Any] = {}
+    base_dir = None
+    if args.spec:
+        p = Path(args.spec).expanduser()
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise SpecError(f"{p}: no such spec file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SpecError(f"{p}: not valid TOML: {exc}") from None
+        base_dir = p.resolve().parent
+    flags = {
+        "model": args.model,
+        "num_attention": args.attention,
+        "num_ffn": args.ffn,
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "http_port": args.http_port,
+        "connector_port": args.connector_port,
+        "log_dir": args.log_dir,
+        "startup_timeout_s": args.startup_timeout,
+    }
+    if args.gate_on_attention:
+        flags["compute_gate_on_attention"] = True
+    if args.native:
+        flags["native"] = True
+    for k, v in flags.items():
+        if v is not None:
+            data[k] = v
+    if args.model is not None:
+        data["model"] = (
+            str(Path(args.model).expanduser().absolute())
+            if Path(args.model).expanduser().exists()
+            else args.model
+        )
+    if args.vllm_args:
+        data["vllm_args"] = [*data.get("vllm_args", []), *shlex.split(args.vllm_args)]
+    if not data.get("model"):
+        raise SpecError("model: give a spec file with model = ... or --model DIR")
+    if base_dir is None:
+        return DeploymentSpec.from_dict(data)
+    try:
+        return DeploymentSpec.from_dict(data, base_dir=base_dir)
+    except SpecError as exc:
+        raise SpecError(f"{args.spec}: {exc}") from None
+
+
+def add_launch_arguments(ap: Any) -> None:
+    ap.add_argument("spec", nargs="?", help="deployment spec (TOML); flags override it")
+    ap.add_argument("--model", help="checkpoint directory (or model name)")
+    ap.add_argument("--attention", type=int, help="number of attention servers (default 1)")
+    ap.add_argument("--ffn", type=int, help="number of FFN servers (default 1)")
+    ap.add_argument(
+        "--gate-on-attention",
+        action="store_true",
+        help="compute the MoE gate on the attention role",
+    )
+    ap.add_argument("--dtype", choices=_DTYPES)
+    ap.add_argument("--max-model-len", type=int)
+    ap.add_argument("--kv-cache-memory-bytes", type=int)
+    ap.add_argument("--http-port", type=int, help="HTTP port of attention server 0 (0 = free)")
+    ap.add_argument("--connector-port", type=int, help="AFD rendezvous port (0 = free)")
+    ap.add_argument("--log-dir", help="per-role log files (default: a temporary folder)")
+    ap.add_argument("--startup-timeout", type=float, help="seconds (default 600)")
+    ap.add_argument(
+        "--native",
+        action="store_true",
+        help="run one plain vLLM server with the same args instead (baseline)",
+    )
+    ap.add_argument(
+        "--quiet", action="store_true", help="role output to the log files only (not the console)"
+    )
+    ap.add_argument(
+        "--vllm-args",
+        default=None,
+        metavar="'ARGS'",
+        help="extra vLLM args for every role, one shell-quoted string "
+        "(e.g. --vllm-args='--max-num-seqs 8')",
+    )
+
+
+def run_launch(args: Any) -> int:
+    """``afd launch``: start the deployment, print the endpoints, run until interrupted."""
+    try:
+        spec = spec_from_args(args)
+    except SpecError as exc:
+        print(f"afd launch: invalid spec: {exc}", file=sys.stderr)
+        return 2
+    dep = Deployment(spec, echo=not args.quiet, console=sys.stdout)
+    code = 0
+    with forward_signals():
+        try:
+            dep.start()
+            dep.say("endpoints (OpenAI-compatible API):")
+            for url in dep.endpoints:
+                dep.say(
+                    f"  {url}/v1  (e.g. curl {url}/v1/completions -H 'Content-Type: "
+                    'application/json\' -d \'{"prompt": "Hello", "max_tokens": 16}\')'
+                )
+            dep.say("running; Ctrl-C or SIGTERM stops every role")
+            gone = dep.wait()
+            rc = gone.returncode()
+            dep.say(f"{gone.name} exited with code {rc}; stopping the deployment")
+            code = 1
+        except _Interrupted as sig:
+            dep.say(f"{sig} received")
+            # SIGTERM is the normal way to stop a launcher: a clean teardown exits 0.
+            code = 0 if sig.signum == signal.SIGTERM else 130
+        except DeploymentError as exc:
+            print(f"afd launch: {exc}", file=sys.stderr)
+            code = 1
+        finally:
+            clean = dep.stop()
+    if not clean:
+        code = code or 1
+    return code

@@ -1,0 +1,342 @@
+"""Unit tests of the deployment launcher: spec parsing/validation, ports, logs, TOML."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from afd.bench import format_table, percentile
+from afd.demo import compare_tokens
+from afd.launch import (
+    Deployment,
+    DeploymentError,
+    DeploymentSpec,
+    RoleProcess,
+    SpecError,
+    add_launch_arguments,
+    allocate_ports,
+    prefix_lines,
+    role_env,
+    spec_from_args,
+)
+
+# ---------------------------------------------------------------- spec validation
+
+
+def test_defaults_are_tiny_cpu_friendly() -> None:
+    spec = DeploymentSpec(model="/m")
+    assert (spec.num_attention, spec.num_ffn) == (1, 1)
+    assert spec.kv_cache_memory_bytes == 64 * 1024 * 1024
+    assert spec.gpu_memory_utilization == 0.1
+    args = spec.engine_args()
+    assert "--enforce-eager" in args
+    assert args[args.index("--dtype") + 1] == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_attention": 0}, r"num_attention: expected an int >= 1, got 0"),
+        ({"num_ffn": True}, r"num_ffn: expected an int >= 1"),
+        ({"num_attention": 1, "num_ffn": 2}, r"num_ffn: 2 FFN servers for 1 attention"),
+        ({"dtype": "fp8"}, r"dtype: expected one of auto, bfloat16"),
+        ({"http_port": 70000}, r"http_port: expected an int in 0..65535"),
+        ({"connector_port": -1}, r"connector_port: expected an int in 0..65535"),
+        (
+            {"http_port": 9000, "num_attention": 2, "connector_port": 9000},
+            r"connector_port: 9000 collides with the attention HTTP port",
+        ),
+        ({"gpu_memory_utilization": 0}, r"gpu_memory_utilization: expected a number in"),
+        ({"kv_cache_memory_bytes": "64MiB"}, r"kv_cache_memory_bytes: expected an int"),
+        ({"vllm_args": "--max-num-seqs 8"}, r"vllm_args: expected a list of strings"),
+        ({"vllm_args": ["--port", "8000"]}, r"--port is set by the launcher; use .*http_port"),
+        ({"vllm_args": ["--additional-config={}"]}, r"--additional-config is set by the"),
+        ({"env": {"A": True}}, r"env.A: expected a string"),
+        ({"afd": {"port": 1}}, r"afd.port: set by the launcher; use the spec field connector_port"),
+        ({"afd": {"rank": 1}}, r"afd.rank: set by the launcher"),
+        ({"afd": {"routing_payload": "bogus"}}, r"afd.routing_payload: expected one of"),
+        ({"afd": {"conect_timeout_s": 1}}, r"conect_timeout_s"),
+        ({"native": True, "num_attention": 2, "num_ffn": 1}, r"native: a native baseline"),
+        ({"ffn": {"modle": "x"}}, r"ffn: unknown key 'modle' \(did you mean 'model'\?\)"),
+        ({"startup_timeout_s": 0}, r"startup_timeout_s: expected a number of seconds > 0"),
+    ],
+)
+def test_invalid_specs_fail_with_clear_errors(kwargs: dict, match: str) -> None:
+    with pytest.raises(SpecError, match=match):
+        DeploymentSpec(model="/m", **kwargs)
+
+
+def test_model_is_required_and_unknown_keys_get_a_hint() -> None:
+    with pytest.raises(SpecError, match=r"model: missing"):
+        DeploymentSpec.from_dict({"num_attention": 1})
+    with pytest.raises(SpecError, match=r"unknown key 'num_atention' \(did you mean"):
+        DeploymentSpec.from_dict({"model": "/m", "num_atention": 2})
+
+
+def test_afd_section_per_process() -> None:
+    spec = DeploymentSpec(
+        model="/m",
+        num_attention=2,
+        compute_gate_on_attention=True,
+        afd={"routing_payload": "router_logits", "connect_timeout_s": 30},
+    )
+    sec = spec.afd_section("attention", 1, port=1234)
+    assert sec == {
+        "routing_payload": "router_logits", "connect_timeout_s": 30, "role": "attention",
+        "rank": 1, "host": "127.0.0.1", "port": 1234, "num_attention_ranks": 2,
+        "num_ffn_ranks": 1, "compute_gate_on_attention": True,
+    }  # fmt: skip
+    from afd_core.config import AFDConfig
+
+    assert AFDConfig.parse(sec).rank == 1
+
+
+# ---------------------------------------------------------------- TOML loading
+
+
+def test_toml_spec_with_relative_paths(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").mkdir()
+    spec_file = tmp_path / "dep.toml"
+    spec_file.write_text(
+        """
+model = "ckpt"
+num_attention = 2
+num_ffn = 1
+dtype = "float32"
+log_dir = "logs"
+vllm_args = ["--max-num-seqs", 8]
+[afd]
+connect_timeout_s = 120
+[env]
+FOO = "bar"
+[attention]
+vllm_args = ["--max-num-batched-tokens", "512"]
+[ffn]
+model = "ckpt"
+env = { BAZ = 1 }
+"""
+    )
+    spec = DeploymentSpec.from_toml(spec_file)
+    assert spec.model == str(tmp_path / "ckpt")
+    assert spec.log_dir == str(tmp_path / "logs")
+    assert (spec.num_attention, spec.num_ffn, spec.dtype) == (2, 1, "float32")
+    assert spec.vllm_args == ["--max-num-seqs", "8"]
+    assert spec.afd == {"connect_timeout_s": 120}
+    assert spec.attention.vllm_args == ["--max-num-batched-tokens", "512"]
+    assert spec.ffn.model == str(tmp_path / "ckpt")
+    assert spec.ffn.env == {"BAZ": "1"}
+    env = role_env(spec, "ffn", tmp_path)
+    assert env["FOO"] == "bar" and env["BAZ"] == "1" and env["TMPDIR"] == str(tmp_path)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+
+
+def test_toml_errors_name_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("model = \n")
+    with pytest.raises(SpecError, match=r"bad.toml: not valid TOML"):
+        DeploymentSpec.from_toml(bad)
+    bad.write_text('model = "/m"\nnum_ffn = 0\n')
+    with pytest.raises(SpecError, match=r"bad.toml: num_ffn: expected an int >= 1"):
+        DeploymentSpec.from_toml(bad)
+    with pytest.raises(SpecError, match=r"no such spec file"):
+        DeploymentSpec.from_toml(tmp_path / "missing.toml")
+
+
+def test_hub_names_are_not_resolved_as_paths(tmp_path: Path) -> None:
+    spec = DeploymentSpec.from_dict({"model": "org/model"}, base_dir=tmp_path)
+    assert spec.model == "org/model"
+
+
+def _launch_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    add_launch_arguments(ap)
+    return ap.parse_args(argv)
+
+
+def test_flags_override_the_spec_file(tmp_path: Path) -> None:
+    spec_file = tmp_path / "dep.toml"
+    spec_file.write_text('model = "/m"\nnum_attention = 1\nvllm_args = ["--seed", "1"]\n')
+    args = _launch_args(
+        [str(spec_file), "--attention", "2", "--gate-on-attention",
+         "--vllm-args=--max-num-seqs 8"]
+    )  # fmt: skip
+    spec = spec_from_args(args)
+    assert spec.num_attention == 2 and spec.compute_gate_on_attention
+    assert spec.vllm_args == ["--seed", "1", "--max-num-seqs", "8"]
+    with pytest.raises(SpecError, match="model"):
+        spec_from_args(_launch_args(["--attention", "2"]))
+
+
+def test_launch_cli_reports_invalid_spec(capsys: pytest.CaptureFixture[str]) -> None:
+    from afd.cli import main
+
+    assert main(["launch", "--model", "/m", "--attention", "1", "--ffn", "2"]) == 2
+    assert "num_ffn: 2 FFN servers for 1 attention" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- ports
+
+
+def test_free_ports_are_distinct() -> None:
+    spec = DeploymentSpec(model="/m", num_attention=4, num_ffn=2)
+    for _ in range(20):
+        http, conn = allocate_ports(spec)
+        # One attention server (its DP ranks are the 4 attention ranks) + the connector.
+        assert len(http) == 1 and len(set([*http, conn])) == 2
+        assert all(1024 <= p <= 65535 for p in [*http, conn])
+
+
+def test_free_ports_avoid_given_ports() -> None:
+    spec = DeploymentSpec(model="/m", num_attention=2)
+    http, conn = allocate_ports(spec)
+    http2, conn2 = allocate_ports(spec, avoid=[*http, conn])
+    assert not set([*http2, conn2]) & set([*http, conn])
+
+
+def test_fixed_port_in_use_is_reported() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        with pytest.raises(DeploymentError, match=rf"port {busy} \(HTTP of attention server 0\)"):
+            allocate_ports(DeploymentSpec(model="/m", http_port=busy))
+        with pytest.raises(DeploymentError, match=rf"port {busy} \(AFD connector"):
+            allocate_ports(DeploymentSpec(model="/m", connector_port=busy))
+
+
+def test_fixed_ports_are_used_as_given() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    spec = DeploymentSpec(model="/m", num_attention=1, http_port=base)
+    http, conn = allocate_ports(spec)
+    assert http == [base] and conn != base
+    assert allocate_ports(spec.replace(native=True)) == ([base], 0)
+
+
+# ---------------------------------------------------------------- logs and processes
+
+
+def test_prefix_lines() -> None:
+    assert prefix_lines("[ffn0] ", "a\nb\n") == "[ffn0] a\n[ffn0] b\n"
+    assert prefix_lines("[attn1] ", "no newline") == "[attn1] no newline\n"
+    assert prefix_lines("[x] ", "") == ""
+
+
+def _fake_role(tmp_path: Path, code: str, name: str = "ffn0", role: str = "ffn") -> RoleProcess:
+    return RoleProcess(
+        name,
+        role,
+        0,
+        [sys.executable, "-c", code],
+        {"PYTHONUNBUFFERED": "1"},
+        tmp_path / "logs" / f"{name}.log",
+    )
+
+
+def test_role_output_is_prefixed_logged_and_marks_ready(tmp_path: Path) -> None:
+    role = _fake_role(tmp_path, "print('hello'); print('INFO AFD FFN server ready in 1 s')")
+    console = io.StringIO()
+    role.start(console, threading.Lock())
+    assert role.proc is not None
+    role.proc.wait(10)
+    role.join_output()
+    assert console.getvalue().splitlines() == [
+        "[ffn0] hello",
+        "[ffn0] INFO AFD FFN server ready in 1 s",
+    ]
+    log = (tmp_path / "logs" / "ffn0.log").read_text()
+    assert "hello\n" in log and log.startswith("# ")  # first line: the command
+    assert role.check_ready()
+    assert role.last_lines(1) == ["INFO AFD FFN server ready in 1 s\n"]
+
+
+def _spec_with_fake_roles(tmp_path: Path) -> DeploymentSpec:
+    return DeploymentSpec(model=str(tmp_path), log_dir=str(tmp_path / "logs"), startup_timeout_s=30)
+
+
+def test_failing_role_raises_with_its_last_lines(tmp_path: Path) -> None:
+    dep = Deployment(_spec_with_fake_roles(tmp_path), console=io.StringIO(), echo=False)
+    dep.roles = [
+        _fake_role(
+            tmp_path,
+            "import sys, time; [print(i) for i in range(50)]; "
+            "print('boom: bad checkpoint'); sys.exit(3)",
+        ),
+        _fake_role(tmp_path, "import time; time.sleep(60)", name="attn0", role="attention"),
+    ]
+    dep._build_roles = lambda: None  # type: ignore[method-assign]
+    with pytest.raises(DeploymentError, match=r"ffn0 exited with code 3 during start-up"):
+        dep.start()
+    out = dep.console.getvalue()  # type: ignore[attr-defined]
+    assert "[ffn0] boom: bad checkpoint" in out
+    assert "[ffn0] 21\n" in out and "[ffn0] 20\n" not in out  # the last 30 lines only
+    assert not any(r.group_alive() for r in dep.roles)  # the sleeper was torn down
+
+
+def test_stop_kills_whole_process_groups(tmp_path: Path) -> None:
+    # The role ignores SIGTERM and has a child: SIGKILL after the grace period, all gone.
+    code = (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print('AFD FFN server ready', flush=True); time.sleep(60)"
+    )
+    dep = Deployment(_spec_with_fake_roles(tmp_path), console=io.StringIO(), echo=False)
+    dep.roles = [_fake_role(tmp_path, code)]
+    dep._build_roles = lambda: None  # type: ignore[method-assign]
+    dep.start()
+    role = dep.roles[0]
+    assert role.ready and role.group_alive()
+    assert dep.stop(grace_s=1.0)
+    assert not role.group_alive()
+    assert "SIGKILL" in dep.console.getvalue()  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- demo / bench helpers
+
+
+def test_compare_tokens() -> None:
+    assert compare_tokens([[1, 2], [3, 4]], [[1, 2], [3, 5]]) == [None, 1]
+    assert compare_tokens([[1, 2]], [[1, 2, 3]]) == [2]
+
+
+def test_percentile_and_table() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    lv = {
+        "output_tok_s": 10.0,
+        "ttft_ms": {"median": 1.0, "p99": 2.0},
+        "tpot_ms": {"median": 3.0, "p99": None},
+    }
+    report = {
+        "settings": {"concurrency": [1]},
+        "results": {"native": {"1": lv}, "afd": {"1": lv}},
+        "ratio_afd_over_native": {"1": {"output_tok_s": 1.0, "tpot_median": 1.0}},
+    }
+    table = format_table(report)
+    assert "AFD/native tok/s" in table and "3.0/-" in table
+    json.dumps(report)
+
+
+def test_role_tmp_dir_is_short_enough_for_ipc_sockets(tmp_path: Path) -> None:
+    from afd.launch import MAX_TMPDIR_LEN, role_tmp_dir
+
+    short = role_tmp_dir(Path("/tmp") / tmp_path.name)
+    assert short == Path("/tmp") / tmp_path.name / "tmp" and short.is_dir()
+    deep = tmp_path / ("x" * 80)
+    long_tmp = role_tmp_dir(deep)
+    try:
+        assert len(str(long_tmp)) <= MAX_TMPDIR_LEN and long_tmp.is_dir()
+        assert len(str(long_tmp / "2e34a93b-82fe-4d61-97af-519266ce49af")) <= 107
+    finally:
+        import shutil
+
+        shutil.rmtree(long_tmp)
+        shutil.rmtree(Path("/tmp") / tmp_path.name)

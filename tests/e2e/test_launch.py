@@ -1,0 +1,189 @@
+"""End to end: ``afd launch`` brings a deployment up, serves, and tears it down cleanly.
+
+Real vLLM processes on a tiny DeepSeek-V2 (generated once per session). Every port
+is picked free at run time; every process started here is killed by process group.
+
+The 2A1F deployment is one attention server with two data-parallel ranks (vLLM keeps
+them in lock step, running dummy batches on the idle one, which the FFN fan-in needs)
+and one FFN server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+]
+
+STARTUP_S = 420.0
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from afd.models.tiny import generate_tiny_checkpoint
+
+    return Path(generate_tiny_checkpoint("deepseek_v2", tmp_path_factory.mktemp("ckpt") / "dsv2"))
+
+
+class Launcher:
+    """``afd launch SPEC`` as a subprocess, its output collected line by line."""
+
+    def __init__(self, spec: Path, tmp: Path) -> None:
+        env = {**os.environ, "TMPDIR": str(tmp)}
+        env.setdefault("VLLM_CACHE_ROOT", str(Path(__file__).parents[2] / ".cache" / "vllm"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "afd.cli", "launch", str(spec)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._cv = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cv:
+                self.lines.append(line)
+                self._cv.notify_all()
+        with self._cv:
+            self._cv.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self._cv:
+            return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str] | None:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                m = re.search(pattern, "".join(self.lines), re.M)
+                if m or self.proc.poll() is not None or time.monotonic() > deadline:
+                    return m
+                self._cv.wait(1.0)
+
+    def role_pgids(self) -> dict[str, int]:
+        return {
+            m[1]: int(m[2]) for m in re.finditer(r"^\[afd\] (\w+): pid (\d+)", self.output, re.M)
+        }
+
+    def kill_all(self) -> None:
+        for pgid in [*self.role_pgids().values(), self.proc.pid]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            self.proc.wait(10)
+
+
+def group_members(pgids: list[int]) -> list[int]:
+    from afd.launch import _group_members
+
+    return [pid for g in pgids for pid in _group_members(g)]
+
+
+def complete(url: str, prompt: str, max_tokens: int, timeout: float) -> dict:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    payload = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    req = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return dict(json.loads(r.read()))
+
+
+def test_2a1f_serves_and_stops_on_sigterm(tiny_model: Path, tmp_path: Path) -> None:
+    spec = tmp_path / "2a1f.toml"
+    spec.write_text(
+        f'model = "{tiny_model}"\nnum_attention = 2\nnum_ffn = 1\n'
+        f'log_dir = "{tmp_path / "logs"}"\n'
+        "[afd]\nconnect_timeout_s = 300\ntransfer_timeout_s = 120\n"
+    )
+    launcher = Launcher(spec, tmp_path)
+    try:
+        ready = launcher.wait_for(r"running; Ctrl-C or SIGTERM", STARTUP_S)
+        assert ready, f"deployment did not come up:\n{launcher.output[-6000:]}"
+        urls = re.findall(r"^\[afd\]\s+(http://[\d.]+:\d+)/v1", launcher.output, re.M)
+        assert len(urls) == 1
+        pgids = launcher.role_pgids()
+        assert set(pgids) == {"ffn0", "attn"}
+
+        # A lone request (the other DP rank idles with dummy batches), then two at once.
+        lone = complete(urls[0], "The quick brown fox", 8, 120)
+        assert lone["usage"]["completion_tokens"] == 8
+        with ThreadPoolExecutor(2) as pool:
+            prompts = ["The quick brown fox", "def fibonacci(n):"]
+            futures = [pool.submit(complete, urls[0], p, 8, 120) for p in prompts]
+            answers = [f.result() for f in futures]
+        for a in answers:
+            assert a["choices"][0]["finish_reason"] == "length"
+            assert a["usage"]["completion_tokens"] == 8
+        # Greedy and deterministic: the same prompt gives the same text again.
+        assert answers[0]["choices"][0]["text"] == lone["choices"][0]["text"]
+
+        t0 = time.monotonic()
+        launcher.proc.send_signal(signal.SIGTERM)
+        rc = launcher.proc.wait(timeout=30)
+        stopped_s = time.monotonic() - t0
+        launcher._reader.join(5)
+        assert rc == 0, launcher.output[-3000:]
+        assert "stopped; no process left" in launcher.output
+        assert stopped_s < 10.0, f"teardown took {stopped_s:.1f} s"
+        assert group_members([*pgids.values(), launcher.proc.pid]) == []
+    finally:
+        launcher.kill_all()
+
+
+def test_role_failing_at_startup_fails_the_launch(tiny_model: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-checkpoint"
+    spec = tmp_path / "bad.toml"
+    spec.write_text(f'model = "{tiny_model}"\n[ffn]\nmodel = "{missing}"\n')
+    t0 = time.monotonic()
+    launcher = Launcher(spec, tmp_path)
+    try:
+        rc = launcher.proc.wait(timeout=60)
+        elapsed = time.monotonic() - t0
+        launcher._reader.join(5)
+        out = launcher.output
+        assert rc != 0, out[-3000:]
+        assert elapsed < 60
+        assert re.search(r"ffn0 exited with code \d+ during start-up", out), out[-3000:]
+        # The role's own error, with its prefix, in the launcher's output.
+        assert re.search(rf"^\[ffn0\] .*{re.escape(str(missing))}", out, re.M), out[-3000:]
+        pgids = launcher.role_pgids()
+        assert set(pgids) == {"ffn0", "attn"}
+        assert group_members([*pgids.values(), launcher.proc.pid]) == []
+    finally:
+        launcher.kill_all()

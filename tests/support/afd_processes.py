@@ -1,0 +1,257 @@
+"""Helpers for end-to-end tests: start an FFN server, run engines in subprocesses.
+
+(Kept beside the tests; the deployment launcher in afd.launch is tested separately.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+READY_MARKER = "AFD FFN server ready"
+ENGINE_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def role_env(tmp: Path) -> dict[str, str]:
+    from afd.launch import role_tmp_dir
+
+    # pytest's tmp paths can be too long for vLLM's IPC socket names.
+    env = {**os.environ, "TMPDIR": str(role_tmp_dir(tmp)), "PYTHONUNBUFFERED": "1"}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return env
+
+
+class RoleProcess:
+    """A command in its own process group with its output captured line by line."""
+
+    def __init__(self, cmd: list[str], tmp: Path) -> None:
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=role_env(tmp), start_new_session=True,
+        )  # fmt: skip
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self._reader.join(timeout=5)
+
+
+class FFNServer(RoleProcess):
+    """``afd serve --role ffn`` (headless FFN role)."""
+
+    def __init__(self, model: Path, afd: dict[str, Any], tmp: Path, *extra: str) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "afd.cli",
+            "serve",
+            "--role",
+            "ffn",
+            str(model),
+            *ENGINE_ARGS,
+            "--max-model-len",
+            "512",
+            "--additional-config",
+            json.dumps({"afd": afd}),
+            *extra,
+        ]
+        super().__init__(cmd, tmp)
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(READY_MARKER in ln for ln in self.lines):
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"FFN server exited {self.proc.returncode}:\n{self.output[-4000:]}"
+                )
+            time.sleep(0.2)
+        raise AssertionError(f"FFN server not ready in {timeout} s:\n{self.output[-4000:]}")
+
+    def wait_exit(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def offline_greedy(
+    model: Path,
+    out: Path,
+    tmp: Path,
+    llm_kwargs: dict[str, Any] | None = None,
+    timeout: float = 400,
+) -> dict[str, Any]:
+    """``python -m afd.reference`` (vllm.LLM, eager, greedy) in a fresh process."""
+    cmd = [sys.executable, "-m", "afd.reference", str(model), "--json", str(out)]
+    if llm_kwargs:
+        cmd += ["--llm-kwargs", json.dumps(llm_kwargs)]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=role_env(tmp), timeout=timeout, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["log"] = proc.stdout + proc.stderr
+    return result
+
+
+class Server(RoleProcess):
+    """An OpenAI-compatible vLLM API server (native, or ``afd serve --role attention``)."""
+
+    def __init__(self, cmd: list[str], port: int, tmp: Path) -> None:
+        self.port = port
+        super().__init__(cmd, tmp)
+
+    @classmethod
+    def native(cls, model: Path, tmp: Path, *extra: str) -> Server:
+        port = free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            *ENGINE_ARGS,
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *extra,
+        ]
+        return cls(cmd, port, tmp)
+
+    @classmethod
+    def afd_attention(cls, model: Path, afd: dict[str, Any], tmp: Path, *extra: str) -> Server:
+        port = free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "afd.cli",
+            "serve",
+            "--role",
+            "attention",
+            str(model),
+            *ENGINE_ARGS,
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--additional-config",
+            json.dumps({"afd": afd}),
+            *extra,
+        ]
+        return cls(cmd, port, tmp)
+
+    def wait_ready(self, timeout: float = 400) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"server exited {self.proc.returncode}:\n{self.output[-5000:]}"
+                )
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(1)
+        raise AssertionError(f"server not ready in {timeout} s:\n{self.output[-5000:]}")
+
+    def complete(self, prompt: str, max_tokens: int = 32) -> list[int]:
+        """Greedy completion of one prompt; the generated token ids."""
+        import urllib.request
+
+        body = {
+            "model": self.served_model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            choice = json.load(resp)["choices"][0]
+        return list(choice["token_ids"])
+
+    @property
+    def served_model(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=10) as r:
+            return str(json.load(r)["data"][0]["id"])
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes (not zombies) whose process group is ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def terminate_all(procs: list[subprocess.Popen[str]], timeout: float = 10.0) -> dict[int, Any]:
+    """SIGTERM every process group at once; return {pid: exit code or None}, plus leftovers."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    codes: dict[int, Any] = {}
+    for p in procs:
+        try:
+            codes[p.pid] = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            codes[p.pid] = None
+    while time.monotonic() < deadline and any(group_members(p.pid) for p in procs):
+        time.sleep(0.1)
+    codes["leftovers"] = {p.pid: group_members(p.pid) for p in procs if group_members(p.pid)}
+    return codes
