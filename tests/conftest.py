@@ -25,7 +25,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_qwen_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str | None, Path]:
     """Tiny seeded Qwen3-MoE checkpoints by variant (None = default, ``no_norm_topk``,
-    ``dense_layers``), plus ``"qwen3_5_moe"`` (the Qwen3.5/3.6-MoE text model)."""
+    ``dense_layers``), plus ``"qwen3_5_moe_text"`` (the Qwen3.5/3.6-MoE text model)."""
     from afd.models.tiny import checkpoint_name, generate_tiny_checkpoint, tiny_variants
 
     cache = os.environ.get("AFD_CACHE_DIR")
@@ -36,7 +36,7 @@ def tiny_qwen_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str | Non
         )
         for variant in tiny_variants("qwen3_moe")
     }
-    models["qwen3_5_moe"] = generate_tiny_checkpoint(
-        "qwen3_5_moe", root / checkpoint_name("qwen3_5_moe")
+    models["qwen3_5_moe_text"] = generate_tiny_checkpoint(
+        "qwen3_5_moe_text", root / checkpoint_name("qwen3_5_moe_text")
     )
     return models

@@ -1,5 +1,5 @@
-"""AFD on real processes (vLLM CPU, gloo connector, eager) produces the same greedy tokens
-as native vLLM on the same tiny checkpoint.
+"""AFD on real processes (vLLM CPU, eager) produces the same greedy tokens as native vLLM
+on the same tiny DeepSeek checkpoints.
 
 Batched parity: the Attention role runs as a vLLM engine (``vllm.LLM`` with the AFD
 architecture and ``additional_config``) in its own process, a headless FFN server in
@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from afd_processes import FFNServer, free_port, offline_greedy
+from afd_processes import (
+    afd_settings,
+    assert_same_tokens,
+    inventory,
+    offline_greedy,
+    run_offline_afd,
+    served_layers,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
@@ -21,9 +28,7 @@ ALIASES = {"deepseek_v2": "AFDDeepseekV2ForCausalLM", "deepseek_v3": "AFDDeepsee
 
 
 @pytest.fixture(scope="module")
-def native_tokens(
-    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Any]:
+def native_tokens(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
     cache: dict[str, Any] = {}
 
     def get(arch: str) -> Any:
@@ -32,46 +37,35 @@ def native_tokens(
             cache[arch] = offline_greedy(tiny_models[arch], tmp / "native.json", tmp)
         return cache[arch]
 
-    return get  # type: ignore[return-value]
+    return get
 
 
 @pytest.mark.parametrize(
-    ("arch", "gate"),
+    ("arch", "gate", "connector"),
     [
-        ("deepseek_v2", "ffn"),
-        ("deepseek_v2", "attention-topk"),
-        ("deepseek_v3", "ffn"),
-        ("deepseek_v3", "attention-topk"),
-        ("deepseek_v3", "attention-router_logits"),
+        ("deepseek_v2", "ffn", "P2pGlooAFDConnector"),
+        ("deepseek_v2", "attention-topk", "P2pGlooAFDConnector"),
+        ("deepseek_v2", "ffn", "P2pShmAFDConnector"),
+        ("deepseek_v3", "ffn", "P2pGlooAFDConnector"),
+        ("deepseek_v3", "attention-topk", "P2pGlooAFDConnector"),
+        ("deepseek_v3", "attention-router_logits", "P2pGlooAFDConnector"),
     ],
 )
 def test_1a1f_greedy_tokens_equal_native(
-    tiny_models: dict[str, Path], native_tokens: Any, tmp_path: Path, arch: str, gate: str
+    tiny_models: dict[str, Path],
+    native_tokens: Any,
+    tmp_path: Path,
+    arch: str,
+    gate: str,
+    connector: str,
 ) -> None:
-    afd: dict[str, Any] = {"port": free_port(), "connect_timeout_s": 240}
-    if gate.startswith("attention"):
-        afd["compute_gate_on_attention"] = True
-        afd["routing_payload"] = gate.split("-", 1)[1]
-    model = tiny_models[arch]
-    ffn = FFNServer(model, {**afd, "role": "ffn"}, tmp_path)
-    try:
-        ffn.wait_ready()
-        afd_result = offline_greedy(
-            model,
-            tmp_path / "afd.json",
-            tmp_path,
-            {
-                "hf_overrides": {"architectures": [ALIASES[arch]]},
-                "additional_config": {"afd": {**afd, "role": "attention"}},
-            },
-        )
-        # The FFN server leaves on its own once its attention peer is gone.
-        assert ffn.wait_exit(timeout=30) == 0, ffn.output[-3000:]
-    finally:
-        ffn.kill()
+    afd = afd_settings(gate, connector=connector)
+    result, ffn_log = run_offline_afd(tiny_models[arch], ALIASES[arch], afd, tmp_path)
     native = native_tokens(arch)
-    assert afd_result["prompts"] == native["prompts"] and len(native["prompts"]) >= 8
-    for i, (got, want) in enumerate(zip(afd_result["token_ids"], native["token_ids"], strict=True)):
-        assert len(want) == 32
-        assert got == want, f"prompt {i} ({native['prompts'][i]!r}) diverged"
-    assert "served" in ffn.output and "peer gone" in ffn.output
+    assert result["prompts"] == native["prompts"]
+    assert_same_tokens(result["token_ids"], native["token_ids"], native["prompts"])
+    # Every layer of every step crossed to the FFN role (3 layers x >= 32 steps).
+    assert served_layers(ffn_log) >= 3 * 32
+    assert "peer gone" in ffn_log
+    attn = inventory(result["log"], "attention")
+    assert attn.get("routed_experts", 0) == 0 and attn.get("shared_experts", 0) == 0

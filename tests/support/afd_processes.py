@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -255,3 +256,100 @@ def terminate_all(procs: list[subprocess.Popen[str]], timeout: float = 10.0) -> 
         time.sleep(0.1)
     codes["leftovers"] = {p.pid: group_members(p.pid) for p in procs if group_members(p.pid)}
     return codes
+
+
+# ---------------------------------------------------------------- shared e2e flows
+
+
+def afd_settings(gate: str, **extra: Any) -> dict[str, Any]:
+    """The ``afd`` section for a gate placement: ``ffn``, ``attention-topk`` or
+    ``attention-router_logits``; a fresh rendezvous port every time."""
+    afd: dict[str, Any] = {"port": free_port(), "connect_timeout_s": 300, **extra}
+    if gate.startswith("attention"):
+        afd["compute_gate_on_attention"] = True
+        afd["routing_payload"] = gate.split("-", 1)[1]
+    elif gate != "ffn":
+        raise ValueError(f"unknown gate placement {gate!r}")
+    return afd
+
+
+def run_offline_afd(
+    model: Path, alias: str, afd: dict[str, Any], tmp: Path
+) -> tuple[dict[str, Any], str]:
+    """1 FFN server + the Attention role as a ``vllm.LLM`` engine generating the fixed
+    prompts in one batch. Returns (result, FFN log); the FFN must leave on its own (0)."""
+    ffn = FFNServer(model, {**afd, "role": "ffn"}, tmp)
+    try:
+        ffn.wait_ready()
+        result = offline_greedy(
+            model,
+            tmp / "afd.json",
+            tmp,
+            {
+                "hf_overrides": {"architectures": [alias]},
+                "additional_config": {"afd": {**afd, "role": "attention"}},
+            },
+        )
+        assert ffn.wait_exit(timeout=30) == 0, ffn.output[-3000:]
+    finally:
+        ffn.kill()
+    return result, ffn.output
+
+
+def run_served_afd(
+    model: Path, afd: dict[str, Any], tmp: Path, prompts: list[str]
+) -> tuple[list[list[int]], str, str]:
+    """1 FFN server + ``afd serve --role attention`` (with ``--data-parallel-size`` when
+    ``afd["num_attention_ranks"] > 1``); the prompts are sent one at a time; then SIGTERM
+    must stop every process within 10 s with exit code 0 and nothing left behind.
+    Returns (token ids per prompt, attention log, FFN log)."""
+    ranks = int(afd.get("num_attention_ranks", 1))
+    dp = ["--data-parallel-size", str(ranks)] if ranks > 1 else []
+    ffn = FFNServer(model, {**afd, "role": "ffn"}, tmp)
+    attention = Server.afd_attention(model, {**afd, "role": "attention"}, tmp, *dp)
+    try:
+        ffn.wait_ready()
+        attention.wait_ready()
+        got = [attention.complete(p) for p in prompts]
+        codes = terminate_all([attention.proc, ffn.proc], timeout=10)
+        assert codes.pop("leftovers") == {}, "processes survived SIGTERM"
+        assert set(codes.values()) == {0}, (codes, attention.output[-2000:], ffn.output[-2000:])
+    finally:
+        attention.kill()
+        ffn.kill()
+    return got, attention.output, ffn.output
+
+
+def assert_same_tokens(
+    got: list[list[int]], want: list[list[int]], prompts: list[str], what: str = "native vLLM"
+) -> None:
+    assert len(prompts) >= 8
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert len(w) == 32
+        assert g == w, f"prompt {i} ({prompts[i]!r}) diverged from {what}"
+
+
+def inventory(log: str, role: str) -> dict[str, int]:
+    """The last ``AFD <role> role parameter inventory`` a live process logged."""
+    lines = re.findall(rf"AFD {role} role parameter inventory: ([^;]*);", log)
+    assert lines, f"no {role} inventory line in the log:\n{log[-3000:]}"
+    return {k: int(v) for k, v in (item.split("=") for item in lines[-1].split())}
+
+
+def served_layers(ffn_log: str) -> int:
+    found = re.findall(r"served (\d+) layer messages", ffn_log)
+    assert found, f"no 'served N layer messages' line in the FFN log:\n{ffn_log[-3000:]}"
+    return int(found[-1])
+
+
+def assert_role_inventories(attention_log: str, ffn_log: str, *, gate_on_attention: bool) -> None:
+    """Attention holds no expert, shared-expert or dense-MLP parameters (the gate only with
+    the gate on Attention); the FFN holds no attention or embedding parameters."""
+    attn = inventory(attention_log, "attention")
+    for category in ("routed_experts", "shared_experts", "dense_mlp"):
+        assert attn.get(category, 0) == 0, attn
+    assert (attn.get("gate", 0) > 0) == gate_on_attention, attn
+    assert attn.get("attention", 0) > 0, attn
+    ffn = inventory(ffn_log, "ffn")
+    assert ffn.get("attention", 0) == 0 and ffn.get("embedding", 0) == 0, ffn
+    assert ffn.get("routed_experts", 0) > 0, ffn

@@ -38,38 +38,14 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
-from afd_connectors_gpu.p2p import (
-    _A2F_KINDS,
-    _F2A_KINDS,
-    _a2f_payload,
-    _a2f_specs,
-    _a2f_tensors,
-    _describe_header,
-    _f2a_specs,
-    _positive_int,
-    _Spec,
-)
-from afd_connectors_gpu.rendezvous import (
-    _wait_for_keys,
-    barrier,
-    describe_global_rank,
-    join_store,
-)
+from afd_connectors_gpu.exchange import ExchangeConnector, _Message, _positive_int, _Spec
+from afd_connectors_gpu.rendezvous import _wait_for_keys, barrier, join_store
 from afd_connectors_gpu.wire import FRAME_LEN, Frame
-from afd_core.config import AFDConfig, AFDRole
-from afd_core.connector import AFDConnector, FFNBatch
-from afd_core.errors import (
-    AFDConfigError,
-    AFDConnectorClosedError,
-    AFDConnectorError,
-    AFDPeerLostError,
-    AFDTimeoutError,
-    AFDTransferMismatchError,
-)
-from afd_core.transfer import AttentionToFFN, FFNToAttention, PayloadKind, dtype_name
+from afd_core.config import AFDConfig
+from afd_core.errors import AFDConfigError, AFDPeerLostError, AFDTransferMismatchError
 
 __all__ = ["P2pShmAFDConnector"]
 
@@ -94,12 +70,6 @@ _FRAME_CACHE = 4096
 _VIEW_CACHE = 1024
 
 _fence_lock = threading.Lock()
-
-
-def _layer_key(frame: Frame) -> tuple[Any, ...]:
-    """What every attention peer of one FFN rank must agree on (all but the token count)."""
-    h = frame.header
-    return (h.layer_idx, h.micro_batch_idx, h.hidden_size, h.dtype, h.kind, h.topk, frame.aux_dtype)
 
 
 def _fence() -> None:
@@ -248,7 +218,7 @@ class _Ring:
         _fence()
 
 
-class P2pShmAFDConnector(AFDConnector):
+class P2pShmAFDConnector(ExchangeConnector):
     """Same-host attention <-> FFN transfers through shared-memory rings.
 
     Same contract and failure behaviour as :class:`~afd_connectors_gpu.p2p.P2pGlooAFDConnector`
@@ -275,12 +245,7 @@ class P2pShmAFDConnector(AFDConnector):
 
     @classmethod
     def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
-        unknown = sorted(set(extra) - cls._KEYS)
-        if unknown:
-            raise AFDConfigError(
-                f"connector_extra_config of {cls.name}: unknown keys {unknown}; "
-                f"allowed: {sorted(cls._KEYS)}"
-            )
+        cls._check_extra_keys(extra)
         out: dict[str, Any] = {
             "max_num_tokens": _positive_int(
                 cls.name, "max_num_tokens", extra.get("max_num_tokens", 8192)
@@ -305,27 +270,12 @@ class P2pShmAFDConnector(AFDConnector):
                 f"connector_extra_config['spin_us'] of {cls.name}: expected an int >= 0, "
                 f"got {spin!r}"
             )
-        if out["dtype"] not in _DTYPE_SIZES:
-            raise AFDConfigError(
-                f"connector_extra_config['dtype'] of {cls.name}: expected bfloat16, float16 "
-                f"or float32, got {out['dtype']!r}"
-            )
+        cls._check_dtype(out["dtype"])
         return out
 
     def __init__(self, config: AFDConfig, *, rank: int) -> None:
         super().__init__(config, rank=rank)
-        topo = self.topology
-        self._global_rank = topo.global_rank(self.role, rank)
-        self._gr = self._global_rank
         self._frames: dict[tuple[int, ...], Frame] = {}
-        if self.role is AFDRole.ATTENTION:
-            self._peer_role_ranks: tuple[int, ...] = (topo.ffn_peer_of(rank),)
-            self._peers = tuple(topo.global_rank(AFDRole.FFN, f) for f in self._peer_role_ranks)
-        else:
-            self._peer_role_ranks = topo.attention_peers_of(rank)
-            self._peers = tuple(
-                topo.global_rank(AFDRole.ATTENTION, a) for a in self._peer_role_ranks
-            )
         extra = self.extra_config
         self.num_slots = int(extra["num_slots"] or max(4, 2 * config.num_micro_batches))
         if extra["slot_bytes"] is not None:
@@ -342,29 +292,21 @@ class P2pShmAFDConnector(AFDConnector):
         self._peer_pid: dict[int, tuple[int, str]] = {}
         self._store: Any = None
         self._ready = False
-        self._closed = False
-        self._active = 0
-        self._state_lock = threading.Lock()
-        self._init_lock = threading.Lock()
-        self._sent: dict[tuple[int, int], Any] = {}
-        self._broken: dict[int, str] = {}
 
     # -- lifecycle -----------------------------------------------------------------
-    def init(self) -> None:
-        with self._init_lock:
-            if self._closed:
-                raise AFDConnectorClosedError(f"{self._me}: init() after close()")
-            if self._ready:
-                return
-            try:
-                self._join()
-            except BaseException:
-                self._release_rings()
-                raise
-            self._ready = True
-            logger.debug("%s joined the shared-memory data plane at %s", self._me, self._where)
+    def _link(self) -> P2pShmAFDConnector | None:
+        return self if self._ready else None  # the rings are this object's own state
 
     def _join(self) -> None:
+        try:
+            self._join_rings()
+        except BaseException:
+            self._release_rings()
+            raise
+        self._ready = True
+        logger.debug("%s joined the shared-memory data plane at %s", self._me, self._where)
+
+    def _join_rings(self) -> None:
         topo = self.topology
         g = self._global_rank
         store, s, deadline = join_store(
@@ -457,15 +399,7 @@ class P2pShmAFDConnector(AFDConnector):
                 "'slot_bytes' (or 'max_num_tokens'/'hidden_size') or 'num_slots'"
             )
 
-    @property
-    def is_initialized(self) -> bool:
-        return self._ready and not self._closed
-
-    def close(self) -> None:
-        with self._state_lock:
-            if self._closed:
-                return
-            self._closed = True
+    def _shutdown(self) -> None:
         # Operations in other threads see _closed within a millisecond and leave;
         # only then may the rings be written to for the last time and unmapped.
         drain = time.monotonic() + _CLOSE_DRAIN_S
@@ -474,10 +408,10 @@ class P2pShmAFDConnector(AFDConnector):
         if self._active:
             logger.warning("%s: an operation is still running; rings left mapped", self._me)
             return
-        if self._ready and self.role is AFDRole.ATTENTION and not self._sent and self._peers:
-            peer = self._peers[0]
+        peer = self._shutdown_peer()
+        if self._ready and peer is not None:
             ring = self._out.get(peer)
-            if ring is not None and peer not in self._broken and ring.writable():
+            if ring is not None and ring.writable():
                 # The FFN peer is at a message boundary: tell it we are leaving.
                 words = Frame.shutdown(self._global_rank).encode()
                 struct.pack_into(_FRAME_FMT, ring.mm, ring.write_slot(), *words)
@@ -497,236 +431,7 @@ class P2pShmAFDConnector(AFDConnector):
         self._out.clear()
         self._in.clear()
 
-    # -- Attention side ------------------------------------------------------------
-    def send_to_ffn(
-        self, payload: AttentionToFFN, *, layer_idx: int, micro_batch_idx: int = 0
-    ) -> None:
-        self._enter(AFDRole.ATTENTION, "send_to_ffn")
-        try:
-            self._send_to_ffn(payload, layer_idx, micro_batch_idx)
-        finally:
-            self._leave()
-
-    def _send_to_ffn(self, payload: AttentionToFFN, layer_idx: int, micro_batch_idx: int) -> None:
-        key = (layer_idx, micro_batch_idx)
-        if key in self._sent:
-            raise AFDTransferMismatchError(
-                f"{self._me}: send_to_ffn(layer_idx={layer_idx}, micro_batch_idx="
-                f"{micro_batch_idx}) again before recv_from_ffn received the first one"
-            )
-        header = payload.header(layer_idx, micro_batch_idx)
-        tensors, aux = _a2f_tensors(payload)
-        peer = self._peers[0]
-        self._check_peer(peer)
-        deadline, timeout = self._deadline(None)
-        self._write(peer, Frame(header, aux, self._global_rank), tensors, deadline, timeout)
-        self._sent[key] = header
-
-    def recv_from_ffn(
-        self, *, layer_idx: int, micro_batch_idx: int = 0, timeout_s: float | None = None
-    ) -> FFNToAttention:
-        self._enter(AFDRole.ATTENTION, "recv_from_ffn")
-        try:
-            return self._recv_from_ffn(layer_idx, micro_batch_idx, timeout_s)
-        finally:
-            self._leave()
-
-    def _recv_from_ffn(
-        self, layer_idx: int, micro_batch_idx: int, timeout_s: float | None
-    ) -> FFNToAttention:
-        sent = self._sent.get((layer_idx, micro_batch_idx))
-        peer = self._peers[0]
-        self._check_peer(peer)
-        deadline, timeout = self._deadline(timeout_s)
-        action = f"receiving layer {layer_idx} micro-batch {micro_batch_idx} from"
-        frame = self._next_frame(peer, deadline, timeout, action)
-        ring = self._in[peer]
-        header = frame.header
-        if header.kind is PayloadKind.SHUTDOWN:
-            ring.consume()
-            self._broken[peer] = "it closed"
-            raise AFDPeerLostError(
-                f"{self._describe(peer)} closed while {self._me} waited for layer "
-                f"{layer_idx} micro-batch {micro_batch_idx}"
-            )
-        if header.kind not in _F2A_KINDS:
-            self._broken[peer] = "stream out of step after a mismatch"
-            raise AFDTransferMismatchError(
-                f"{self._me} <- {self._describe(peer)}: expected an FFN->attention "
-                f"message, received kind {header.kind.name}"
-            )
-        problem: AFDTransferMismatchError | None = None
-        try:
-            header.expect(
-                layer_idx=layer_idx,
-                micro_batch_idx=micro_batch_idx,
-                num_tokens=None if sent is None else sent.num_tokens,
-                hidden_size=None if sent is None else sent.hidden_size,
-                dtype=None if sent is None else sent.dtype,
-            )
-        except AFDTransferMismatchError as exc:
-            problem = exc
-        if problem is not None:
-            # Drop the message (the stream stays in step) and report.
-            ring.consume()
-            self._sent.pop((header.layer_idx, header.micro_batch_idx), None)
-            raise AFDTransferMismatchError(
-                f"{self._me} <- {self._describe(peer)}: recv_from_ffn(layer_idx="
-                f"{layer_idx}, micro_batch_idx={micro_batch_idx}) but the next message "
-                f"is for layer {header.layer_idx} micro-batch {header.micro_batch_idx} "
-                f"({header.num_tokens} tokens); {problem}. The FFN side answers in the "
-                "order of send_to_ffn calls"
-            )
-        specs = _f2a_specs(header, frame.aux_dtype)
-        tensors = self._read_tensors([(peer, header.num_tokens)], specs)
-        self._sent.pop((header.layer_idx, header.micro_batch_idx), None)
-        return FFNToAttention(tensors[0], shared_output=tensors[1] if len(tensors) > 1 else None)
-
-    # -- FFN side ------------------------------------------------------------------
-    def recv_from_attention(self, *, timeout_s: float | None = None) -> FFNBatch:
-        self._enter(AFDRole.FFN, "recv_from_attention")
-        try:
-            return self._recv_from_attention(timeout_s)
-        finally:
-            self._leave()
-
-    def _recv_from_attention(self, timeout_s: float | None) -> FFNBatch:
-        if not self._peers:
-            raise AFDConfigError(
-                f"{self._me} serves no attention rank in topology {self.topology.label} "
-                f"(idle FFN ranks: {list(self.topology.idle_ffn_ranks)}); an idle rank "
-                "must not call recv_from_attention"
-            )
-        for peer in self._peers:
-            self._check_peer(peer)
-        deadline, timeout = self._deadline(timeout_s)
-        frames = []
-        for peer in self._peers:
-            frame = self._next_frame(peer, deadline, timeout, "receiving from")
-            kind = frame.header.kind
-            if kind is PayloadKind.SHUTDOWN:
-                self._in[peer].consume()
-                self._broken[peer] = "it closed"
-                raise AFDPeerLostError(
-                    f"{self._describe(peer)} closed (sent SHUTDOWN) while {self._me} "
-                    "waited for the next layer"
-                )
-            if kind not in _A2F_KINDS:
-                self._broken[peer] = "stream out of step after a mismatch"
-                raise AFDTransferMismatchError(
-                    f"{self._me} <- {self._describe(peer)}: expected an attention->FFN "
-                    f"message, received kind {kind.name}"
-                )
-            frames.append(frame)
-        first = frames[0]
-        ref = _layer_key(first)
-        for peer, frame in zip(self._peers[1:], frames[1:], strict=True):
-            if _layer_key(frame) != ref:
-                for p in self._peers:
-                    self._broken[p] = "attention peers out of step"
-                raise AFDTransferMismatchError(
-                    f"{self._me}: attention peers disagree on the layer being sent: "
-                    f"{self._describe(self._peers[0])} sent "
-                    f"{_describe_header(first.header, first.aux_dtype)}, "
-                    f"{self._describe(peer)} sent "
-                    f"{_describe_header(frame.header, frame.aux_dtype)}"
-                )
-        counts = tuple(f.header.num_tokens for f in frames)
-        specs = _a2f_specs(first.header, first.aux_dtype)
-        tensors = self._read_tensors(list(zip(self._peers, counts, strict=True)), specs)
-        total = sum(counts)
-        return FFNBatch(
-            header=first.header
-            if first.header.num_tokens == total
-            else first.header.with_tokens(total),
-            payload=_a2f_payload(first.header.kind, tensors),
-            peer_ranks=self._peer_role_ranks,
-            token_counts=counts,
-        )
-
-    def send_to_attention(self, batch: FFNBatch, result: FFNToAttention) -> None:
-        self._enter(AFDRole.FFN, "send_to_attention")
-        try:
-            self._send_to_attention(batch, result)
-        finally:
-            self._leave()
-
-    def _send_to_attention(self, batch: FFNBatch, result: FFNToAttention) -> None:
-        if tuple(batch.peer_ranks) != self._peer_role_ranks:
-            raise AFDTransferMismatchError(
-                f"{self._me}: batch is for attention ranks {list(batch.peer_ranks)}, this "
-                f"rank serves {list(self._peer_role_ranks)}"
-            )
-        total = sum(batch.token_counts)
-        if result.num_tokens != total:
-            raise AFDTransferMismatchError(
-                f"{self._me}: result has {result.num_tokens} tokens, the batch of layer "
-                f"{batch.layer_idx} micro-batch {batch.micro_batch_idx} had {total} "
-                f"({dict(zip(batch.peer_ranks, batch.token_counts, strict=True))})"
-            )
-        shared_out = result.shared_output
-        aux = dtype_name(shared_out.dtype) if shared_out is not None else None
-        deadline, timeout = self._deadline(None)
-        if len(self._peers) == 1:
-            peer = self._peers[0]
-            self._check_peer(peer)
-            frame = Frame(result.header(batch.layer_idx, batch.micro_batch_idx), aux, self._gr)
-            tensors = [result.output] if shared_out is None else [result.output, shared_out]
-            self._write(peer, frame, tensors, deadline, timeout)
-            return
-        counts = list(batch.token_counts)
-        outputs = result.output.split(counts, dim=0)
-        shared = (
-            shared_out.split(counts, dim=0) if shared_out is not None else [None] * len(outputs)
-        )
-        for peer, out, sh in zip(self._peers, outputs, shared, strict=True):
-            self._check_peer(peer)
-            part = FFNToAttention(out, shared_output=sh)
-            frame = Frame(part.header(batch.layer_idx, batch.micro_batch_idx), aux, self._gr)
-            self._write(peer, frame, [out] if sh is None else [out, sh], deadline, timeout)
-
     # -- transport -------------------------------------------------------------------
-    @property
-    def _me(self) -> str:
-        return f"{type(self).__name__}({self.role.value} rank {self.rank})"
-
-    @property
-    def _where(self) -> str:
-        return f"{self.config.host}:{self.config.port}"
-
-    def _describe(self, peer: int) -> str:
-        return f"{describe_global_rank(self.topology, peer)} (global rank {peer})"
-
-    def _enter(self, role: AFDRole, method: str) -> None:
-        """Start a public operation (``close()`` waits for it to leave); pair with _leave."""
-        with self._state_lock:
-            if self._closed:
-                raise AFDConnectorClosedError(f"{self._me}: {method}() after close()")
-            if self.role is not role:
-                raise AFDConfigError(
-                    f"{self._me}: {method}() is a {role.value}-side call; this connector "
-                    f"was created for the {self.role.value} role"
-                )
-            if not self._ready:
-                raise AFDConnectorError(f"{self._me}: {method}() before init()")
-            self._active += 1
-
-    def _leave(self) -> None:
-        with self._state_lock:
-            self._active -= 1
-
-    def _check_peer(self, peer: int) -> None:
-        reason = self._broken.get(peer)
-        if reason is not None:
-            raise AFDPeerLostError(
-                f"{self._me}: the connection to {self._describe(peer)} is gone ({reason}); "
-                "create a new connector"
-            )
-
-    def _deadline(self, timeout_s: float | None) -> tuple[float, float]:
-        timeout = self.config.transfer_timeout_s if timeout_s is None else float(timeout_s)
-        return time.monotonic() + timeout, timeout
-
     def _peer_gone(self, peer: int) -> bool:
         pid, start = self._peer_pid[peer]
         now = _process_start(pid)
@@ -750,9 +455,7 @@ class P2pShmAFDConnector(AFDConnector):
         pause = _SLEEP_MIN_S
         while True:
             if self._closed:
-                raise AFDConnectorClosedError(
-                    f"{self._me} was closed while {action} {self._describe(peer)}"
-                )
+                raise self._closed_error(peer, action)
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + _LIVENESS_EVERY_S
@@ -767,15 +470,11 @@ class P2pShmAFDConnector(AFDConnector):
                     if ready():
                         return
                     self._broken[peer] = "its process exited"
-                    raise AFDPeerLostError(
-                        f"{self._me}: {self._describe(peer)} is gone while {action} it: "
-                        f"process {self._peer_pid[peer][0]} exited"
+                    raise self._gone_error(
+                        peer, action, f"process {self._peer_pid[peer][0]} exited"
                     )
             if now > deadline:
-                raise AFDTimeoutError(
-                    f"{self._me}: {action} {self._describe(peer)} timed out after {timeout:g} s "
-                    "(timeout_s argument or afd.transfer_timeout_s)"
-                )
+                raise self._timeout_error(peer, timeout, action)
             if now < spin_until:
                 os.sched_yield()
             else:
@@ -826,6 +525,42 @@ class P2pShmAFDConnector(AFDConnector):
             ring.view(base + offset, nbytes).copy_(flat.view(torch.uint8))
         ring.publish()
 
+    def _send_messages(
+        self,
+        link: P2pShmAFDConnector,
+        messages: Iterable[_Message],
+        deadline: float,
+        timeout: float,
+        mb: int,
+    ) -> None:
+        for peer, frame, tensors in messages:  # each peer is checked just before its write
+            self._write(peer, frame, tensors, deadline, timeout)
+
+    def _recv_frames(
+        self,
+        link: P2pShmAFDConnector,
+        peers: Sequence[int],
+        deadline: float,
+        timeout: float,
+        action: str,
+    ) -> Iterator[Frame]:
+        # Lazy: the caller checks each frame before this waits for the next peer's.
+        for peer in peers:
+            yield self._next_frame(peer, deadline, timeout, action)
+
+    def _skip_message(
+        self,
+        link: P2pShmAFDConnector,
+        peer: int,
+        num_tokens: int,
+        specs: Sequence[_Spec],
+        deadline: float,
+        timeout: float,
+        action: str,
+        mb: int,
+    ) -> None:
+        self._in[peer].consume()  # drop the slot unread
+
     def _next_frame(self, peer: int, deadline: float, timeout: float, action: str) -> Frame:
         """Wait for the next message from ``peer`` and decode its frame (not consumed)."""
         ring = self._in[peer]
@@ -842,17 +577,22 @@ class P2pShmAFDConnector(AFDConnector):
         frame = self._frames.get(words)
         if frame is not None:
             return frame
-        try:
-            frame = Frame.decode(list(words))
-        except AFDTransferMismatchError as exc:
-            self._broken[peer] = "garbled frame"
-            raise AFDTransferMismatchError(f"{self._me} <- {self._describe(peer)}: {exc}") from None
+        frame = self._decode_frame(peer, words)
         if len(self._frames) >= _FRAME_CACHE:
             self._frames.clear()
         self._frames[words] = frame  # frames are immutable; layers repeat every step
         return frame
 
-    def _read_tensors(self, parts: Sequence[tuple[int, int]], specs: Sequence[_Spec]) -> list[Any]:
+    def _recv_tensors(
+        self,
+        link: P2pShmAFDConnector,
+        parts: Sequence[tuple[int, int]],
+        specs: Sequence[_Spec],
+        deadline: float,
+        timeout: float,
+        action: str,
+        mb: int,
+    ) -> list[Any]:
         """Copy the tensors of the current message of each (peer, tokens) out, in order.
 
         Several peers' rows are copied straight into one concatenated tensor each.

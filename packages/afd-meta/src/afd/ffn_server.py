@@ -14,7 +14,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from afd_core.config import AFDConfig, AFDRole
@@ -29,7 +29,6 @@ READY_MARKER = "AFD FFN server ready"
 class ServeStats:
     layers_served: int = 0
     tokens_served: int = 0
-    started_at: float = field(default_factory=time.monotonic)
     exit_reason: str = ""
 
 
@@ -114,16 +113,11 @@ class AFDWorkerExtension:
             connector.close()
 
 
-def build_ffn_engine_config(engine_args: Any) -> Any:
-    """vLLM config for the FFN role from ordinary engine args (role forced to ffn)."""
-    return engine_args.create_engine_config()
-
-
 def run_ffn_server(engine_args: Any) -> int:
     """Start the FFN role; return the process exit code (0 on a clean stop)."""
     from vllm.v1.executor import Executor
 
-    vllm_config = build_ffn_engine_config(engine_args)
+    vllm_config = engine_args.create_engine_config()
     afd = AFDConfig.from_additional_config(vllm_config.additional_config)
     if afd.role is not AFDRole.FFN:
         raise SystemExit(f"afd serve --role ffn got afd.role={afd.role.value!r}")

@@ -22,19 +22,16 @@ native loader sees them, and each role checks its parameter inventory afterwards
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any
 
-import torch
 import vllm.model_executor.models.deepseek_v2 as ds
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.models.utils import PPMissingLayer
 
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.errors import AFDConfigError
 from afd_core.patching import scoped_globals
-from afd_core.weights import RoleWeightStats, filter_role_weights
+from afd_core.weights import WeightOwner
 from afd_models_deepseek.weights import classify_deepseek_weight
 from afd_moe_runners import role_model
 
@@ -96,7 +93,7 @@ def _ffn_substitutions() -> dict[str, Any]:
     }
 
 
-class AFDDeepseekV2ForCausalLM(ds.DeepseekV2ForCausalLM):
+class AFDDeepseekV2ForCausalLM(role_model.AFDRoleModel, ds.DeepseekV2ForCausalLM):
     """``DeepseekV2ForCausalLM`` built for one AFD role (``additional_config["afd"]``)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -115,41 +112,10 @@ class AFDDeepseekV2ForCausalLM(ds.DeepseekV2ForCausalLM):
                     mlp.gate = None  # the FFN role runs the gate
         self.afd_runtime = role_model.RoleRuntime(self, afd, vllm_config)
 
-    # -- Attention role: one step ------------------------------------------------
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: Any = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> Any:
-        self.afd_runtime.attach_step_metadata()
-        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    # -- FFN role: the blocks it serves -----------------------------------------
-    def afd_ffn_blocks(self) -> dict[int, nn.Module]:
-        """Decoder-layer index -> that layer's FFN block (MoE block or dense MLP)."""
-        return {
-            idx: layer.mlp
-            for idx, layer in enumerate(self.model.layers)
-            if not isinstance(layer, PPMissingLayer)
-        }
-
-    # -- both roles ---------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        afd = self.afd_config
-        stats = RoleWeightStats()
-        mine = filter_role_weights(
-            weights,
-            afd.role,
-            lambda name: classify_deepseek_weight(
-                name, gate_on_attention=afd.compute_gate_on_attention
-            ),
-            stats=stats,
+    def afd_classify_weight(self, name: str) -> WeightOwner:
+        return classify_deepseek_weight(
+            name, gate_on_attention=self.afd_config.compute_gate_on_attention
         )
-        loaded = super().load_weights(mine)
-        self.afd_runtime.after_weights_loaded(stats)
-        return loaded
 
 
 class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM):
@@ -158,7 +124,3 @@ class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM):
 
 class AFDDeepseekV32ForCausalLM(AFDDeepseekV2ForCausalLM):
     pass
-
-
-def _reject_unused() -> None:  # pragma: no cover - keeps AFDConfigError import meaningful
-    raise AFDConfigError("unreachable")

@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 SUPPORTED_CONNECTORS: Mapping[str, frozenset[str]] = {
-    "cpu": frozenset({"P2pGlooAFDConnector"}),
+    "cpu": frozenset({"P2pGlooAFDConnector", "P2pShmAFDConnector"}),
     "cuda": frozenset({"P2pNcclAFDConnector"}),
 }
 """Platform (vLLM ``device_type``) -> connectors the Attention-role runners work with."""

@@ -13,26 +13,28 @@ import atexit
 import logging
 import weakref
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context, is_forward_context_available
-from vllm.model_executor.models.utils import extract_layer_index
+from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
 
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector import AFDConnector
 from afd_core.errors import AFDConfigError
 from afd_core.forward_context import AFDStepMetadata, set_step_metadata
 from afd_core.registry import create_connector
-from afd_core.weights import RoleWeightStats
+from afd_core.weights import RoleWeightStats, WeightOwner, filter_role_weights
 from afd_moe_runners.dense import RemoteDenseMLP
 from afd_moe_runners.exchange import no_yield
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "AFDRoleModel",
     "NoAttention",
     "RemoteDenseMLP",
     "RoleRuntime",
@@ -202,3 +204,47 @@ class RoleRuntime:
             " ".join(f"{k}={v}" for k, v in sorted(self.inventory.items())),
             stats.summary(),
         )
+
+
+class AFDRoleModel:
+    """Mixin for role-aware model wrappers; list it before the native vLLM model class.
+
+    The wrapper's ``__init__`` builds the native model for its role, then sets
+    ``afd_config`` and ``afd_runtime``; this mixin supplies what every family does the
+    same way: the per-step metadata hook (``forward``), the FFN role's blocks
+    (``afd_ffn_blocks``) and one-pass role-aware weight loading (``load_weights``).
+    Subclasses implement :meth:`afd_classify_weight`.
+    """
+
+    afd_config: AFDConfig
+    afd_runtime: RoleRuntime
+
+    def afd_classify_weight(self, name: str) -> WeightOwner:
+        """Which role owns checkpoint tensor ``name`` (per model family)."""
+        raise NotImplementedError
+
+    def afd_decoder_layers(self) -> Iterable[nn.Module]:
+        """The decoder layers (text model of a multimodal wrapper included)."""
+        inner = getattr(self, "language_model", self)
+        return inner.model.layers  # type: ignore[no-any-return]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.afd_runtime.attach_step_metadata()
+        return super().forward(*args, **kwargs)  # type: ignore[misc]
+
+    def afd_ffn_blocks(self) -> dict[int, nn.Module]:
+        """Decoder-layer index -> that layer's FFN block (MoE block or dense MLP)."""
+        return {
+            idx: layer.mlp
+            for idx, layer in enumerate(self.afd_decoder_layers())
+            if not isinstance(layer, PPMissingLayer)
+        }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        stats = RoleWeightStats()
+        mine = filter_role_weights(
+            weights, self.afd_config.role, self.afd_classify_weight, stats=stats
+        )
+        loaded: set[str] = super().load_weights(mine)  # type: ignore[misc]
+        self.afd_runtime.after_weights_loaded(stats)
+        return loaded

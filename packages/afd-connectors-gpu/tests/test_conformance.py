@@ -1,0 +1,61 @@
+"""The afd-core conformance suite over every connector, one spawned process per rank.
+
+gloo and shared memory run on any machine; NCCL is ``@pytest.mark.gpu`` and skipped
+without CUDA or with fewer CUDA devices than the topology has ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from afd_connectors_gpu.testing import ProcessHarness
+
+conformance = pytest.importorskip("afd_core.testing.conformance")
+
+# connector id -> (connector name, ProcessHarness keyword arguments, marks)
+CONNECTORS: dict[str, tuple[str, dict[str, Any], tuple[Any, ...]]] = {
+    "gloo": ("P2pGlooAFDConnector", {"run_timeout_s": 60.0}, ()),
+    "shm": ("P2pShmAFDConnector", {"run_timeout_s": 60.0}, ()),
+    "nccl": (
+        "P2pNcclAFDConnector",
+        {"run_timeout_s": 120.0, "device_per_rank": True},
+        (pytest.mark.gpu,),
+    ),
+}
+
+# Connector-major, then topology-major order: the harness keeps one process set per
+# topology alive across consecutive cases, so each topology pays the start-up once.
+CASES = [
+    pytest.param(c, s, t, id=f"{c}-{s.name}-{t.label}", marks=CONNECTORS[c][2])
+    for c in CONNECTORS
+    for t in conformance.TOPOLOGIES
+    for s in conformance.SCENARIOS
+]
+
+
+@pytest.fixture(scope="module")
+def harness(request: pytest.FixtureRequest) -> Iterator[ProcessHarness]:
+    name, kwargs, _ = CONNECTORS[request.param]
+    if request.param == "nccl":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("requires CUDA (torch.cuda.is_available() is False)")
+    with ProcessHarness(name, **kwargs) as h:
+        yield h
+
+
+@pytest.mark.parametrize(("harness", "scenario", "topology"), CASES, indirect=["harness"])
+def test_connector_conforms(harness: ProcessHarness, scenario, topology) -> None:
+    if harness.device_per_rank:  # NCCL: the fixture checked that torch has CUDA
+        import torch
+
+        needed = topology.world_size
+        if torch.cuda.device_count() < needed:
+            pytest.skip(
+                f"requires {needed} CUDA devices for {topology.label} (NCCL needs one device "
+                f"per rank), found {torch.cuda.device_count()}"
+            )
+    conformance.run_scenario(harness, scenario, topology)

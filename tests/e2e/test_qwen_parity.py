@@ -1,0 +1,150 @@
+"""Qwen3-MoE under AFD on real processes (vLLM CPU, gloo connector, eager): greedy tokens
+identical to native vLLM on the same tiny checkpoints.
+
+* 1A1F batched offline parity: the Attention role is a ``vllm.LLM`` engine with the AFD
+  architecture in its own process, a headless FFN server in another; the fixed prompts
+  are generated in one batch (32 tokens each), exactly as the native reference does.
+  Variants: default, ``no_norm_topk``, ``dense_layers`` x gate on FFN / on Attention.
+* 2A1F served parity: one ``afd serve --role attention --data-parallel-size 2`` and one
+  FFN rank serving both attention ranks, single-prompt requests compared with native
+  ``vllm serve``.
+
+Every case also checks that the FFN role computed the layers (its log's ``served N
+layer messages`` with N > 0); the class-identity proof that those layers are vLLM's
+native Qwen blocks served through the model-independent ``FFNLayerCompute`` is
+tests/integration/test_qwen_role_construction.py::test_qwen3_moe_ffn_compute_is_model_independent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from afd_processes import (
+    Server,
+    afd_settings,
+    assert_role_inventories,
+    assert_same_tokens,
+    inventory,
+    offline_greedy,
+    run_offline_afd,
+    run_served_afd,
+    served_layers,
+)
+
+from afd.reference import FIXED_PROMPTS
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
+
+ALIAS = "AFDQwen3MoeForCausalLM"
+PROMPTS = list(FIXED_PROMPTS[:8])
+
+
+@pytest.fixture(scope="module")
+def native_tokens(
+    tiny_qwen_models: dict[str | None, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Any:
+    cache: dict[str | None, Any] = {}
+
+    def get(variant: str | None) -> Any:
+        if variant not in cache:
+            tmp = tmp_path_factory.mktemp(f"native-qwen-{variant}")
+            cache[variant] = offline_greedy(tiny_qwen_models[variant], tmp / "native.json", tmp)
+        return cache[variant]
+
+    return get
+
+
+@pytest.mark.parametrize("gate", ["ffn", "attention-topk"])
+@pytest.mark.parametrize("variant", [None, "no_norm_topk", "dense_layers"])
+def test_1a1f_greedy_tokens_equal_native(
+    tiny_qwen_models: dict[str | None, Path],
+    native_tokens: Any,
+    tmp_path: Path,
+    variant: str | None,
+    gate: str,
+) -> None:
+    result, ffn_log = run_offline_afd(
+        tiny_qwen_models[variant], ALIAS, afd_settings(gate), tmp_path
+    )
+    native = native_tokens(variant)
+    assert result["prompts"] == native["prompts"]
+    assert_same_tokens(result["token_ids"], native["token_ids"], native["prompts"])
+    # The FFN role computed every layer of every step (3 layers per forward step).
+    assert served_layers(ffn_log) >= 3 * 32
+    assert "peer gone" in ffn_log
+    attn = inventory(result["log"], "attention")
+    for category in ("routed_experts", "shared_experts", "dense_mlp"):
+        assert attn.get(category, 0) == 0, attn
+    assert (attn.get("gate", 0) > 0) == gate.startswith("attention"), attn
+
+
+@pytest.fixture(scope="module")
+def native_served(
+    tiny_qwen_models: dict[str | None, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Any:
+    cache: dict[str | None, list[list[int]]] = {}
+
+    def get(variant: str | None) -> list[list[int]]:
+        if variant not in cache:
+            tmp = tmp_path_factory.mktemp(f"native-served-qwen-{variant}")
+            server = Server.native(tiny_qwen_models[variant], tmp)
+            try:
+                server.wait_ready()
+                cache[variant] = [server.complete(p) for p in PROMPTS]
+            finally:
+                server.kill()
+        return cache[variant]
+
+    return get
+
+
+@pytest.mark.parametrize(("variant", "gate"), [(None, "ffn"), ("dense_layers", "attention-topk")])
+def test_2a1f_served_tokens_equal_native(
+    tiny_qwen_models: dict[str | None, Path],
+    native_served: Any,
+    tmp_path: Path,
+    variant: str | None,
+    gate: str,
+) -> None:
+    afd = afd_settings(gate, num_attention_ranks=2, num_ffn_ranks=1)
+    got, attention_log, ffn_log = run_served_afd(tiny_qwen_models[variant], afd, tmp_path, PROMPTS)
+    assert_role_inventories(attention_log, ffn_log, gate_on_attention=gate != "ffn")
+    assert served_layers(ffn_log) > 0
+    assert_same_tokens(got, native_served(variant), PROMPTS, "native vllm serve")
+
+
+# ----------------------------------------------------------------- Qwen3.5/3.6-MoE
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_importable() -> None:
+    from afd_models_qwen.availability import qwen3_5_import_error
+
+    blocker = qwen3_5_import_error()
+    if blocker is not None:
+        pytest.skip(f"vLLM's qwen3_5 model file does not import here: {blocker}")
+
+
+@pytest.mark.parametrize("gate", ["ffn", "attention-topk"])
+def test_qwen3_5_moe_1a1f_greedy_tokens_equal_native(
+    qwen3_5_importable: None,
+    tiny_qwen_models: dict[str | None, Path],
+    native_tokens: Any,
+    tmp_path: Path,
+    gate: str,
+) -> None:
+    """Hybrid Gated-DeltaNet/full-attention layers on Attention, gated shared expert on FFN."""
+    result, ffn_log = run_offline_afd(
+        tiny_qwen_models["qwen3_5_moe_text"],
+        "AFDQwen3_5MoeForCausalLM",
+        afd_settings(gate),
+        tmp_path,
+    )
+    native = native_tokens("qwen3_5_moe_text")
+    assert result["prompts"] == native["prompts"]
+    assert_same_tokens(result["token_ids"], native["token_ids"], native["prompts"])
+    assert served_layers(ffn_log) >= 4 * 32
+    ffn_inv = inventory(ffn_log, "ffn")
+    assert ffn_inv.get("attention", 0) == 0 and ffn_inv["shared_experts"] > 0, ffn_inv
