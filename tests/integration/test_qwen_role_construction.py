@@ -1,12 +1,11 @@
 """Role-aware Qwen wrappers, built and loaded by real vLLM (CPU) from tiny checkpoints.
 
-Each case runs in a fresh interpreter (vLLM keeps process-global state). The build
-script is the DeepSeek construction test's (imported, not copied).
+Each case runs in a fresh interpreter (vLLM keeps process-global state), built by
+tests/support/afd_role_models.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,36 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-
-def _deepseek_build_script() -> str:
-    path = Path(__file__).with_name("test_deepseek_role_construction.py")
-    spec = importlib.util.spec_from_file_location("_afd_deepseek_construction", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return str(module.BUILD)
-
-
-BUILD = _deepseek_build_script()
+from afd_role_models import build_role_model, run_role_model_build
 
 pytestmark = [pytest.mark.vllm]
-
-
-def build(model_dir: Path, arch: str, afd: dict[str, object], tmp_path: Path) -> dict:
-    env = {**os.environ, "TMPDIR": str(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", BUILD, str(model_dir), arch, json.dumps(afd)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(lines[-1][len("RESULT ") :])
 
 
 ATTENTION = {"role": "attention", "connector": "LoopbackAFDConnector", "port": 1}
@@ -56,7 +28,7 @@ def test_qwen3_moe_attention_role_holds_no_ffn_parameters(
     tiny_qwen_models: dict[str, Path], tmp_path: Path, variant: str, gate_on_attention: bool
 ) -> None:
     afd = {**ATTENTION, "compute_gate_on_attention": gate_on_attention}
-    result = build(tiny_qwen_models[variant], "AFDQwen3MoeForCausalLM", afd, tmp_path)
+    result = build_role_model(tiny_qwen_models[variant], "AFDQwen3MoeForCausalLM", afd, tmp_path)
     names = result["names"]
     assert not [n for n in names if ".experts." in n or "shared_expert" in n]
     assert not [n for n in names if ".mlp." in n and ".mlp.gate." not in n]  # dense layer 1
@@ -74,7 +46,9 @@ def test_qwen3_moe_ffn_role_holds_no_attention_parameters(
     tiny_qwen_models: dict[str, Path], tmp_path: Path, gate_on_attention: bool
 ) -> None:
     afd = {"role": "ffn", "compute_gate_on_attention": gate_on_attention}
-    result = build(tiny_qwen_models["dense_layers"], "AFDQwen3MoeForCausalLM", afd, tmp_path)
+    result = build_role_model(
+        tiny_qwen_models["dense_layers"], "AFDQwen3MoeForCausalLM", afd, tmp_path
+    )
     names = result["names"]
     assert not [n for n in names if ".self_attn." in n or "embed_tokens" in n or "lm_head" in n]
     assert any(".mlp.experts." in n for n in names)
@@ -88,24 +62,12 @@ def test_qwen3_moe_ffn_role_holds_no_attention_parameters(
 def test_qwen3_moe_rejects_unsupported_options(
     tiny_qwen_models: dict[str, Path], tmp_path: Path
 ) -> None:
-    env = {**os.environ, "TMPDIR": str(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    script = BUILD.replace("enforce_eager=True,", "enforce_eager=True, enable_lora=True,")
-    assert script != BUILD
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            script,
-            str(tiny_qwen_models[None]),
-            "AFDQwen3MoeForCausalLM",
-            json.dumps({"role": "ffn"}),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
+    proc = run_role_model_build(
+        tiny_qwen_models[None],
+        "AFDQwen3MoeForCausalLM",
+        {"role": "ffn"},
+        tmp_path,
+        {"enable_lora": True},
     )
     assert proc.returncode != 0
     assert "LoRA is not supported by afd" in proc.stdout + proc.stderr
@@ -215,7 +177,7 @@ def test_qwen3_5_moe_role_inventories(
 ) -> None:
     model = tiny_qwen_models["qwen3_5_moe_text"]
     alias = "AFDQwen3_5MoeForCausalLM"
-    attn = build(
+    attn = build_role_model(
         model, alias, {**ATTENTION, "compute_gate_on_attention": gate_on_attention}, tmp_path
     )
     names = attn["names"]
@@ -227,7 +189,7 @@ def test_qwen3_5_moe_role_inventories(
     for category in ("routed_experts", "shared_experts", "dense_mlp"):
         assert attn["inventory"].get(category, 0) == 0, attn["inventory"]
 
-    ffn = build(
+    ffn = build_role_model(
         model, alias, {"role": "ffn", "compute_gate_on_attention": gate_on_attention}, tmp_path
     )
     names = ffn["names"]

@@ -186,6 +186,11 @@ def add_bench_arguments(ap: Any) -> None:
     )
     ap.add_argument("--modes", default="native,afd", help="which servers: native,afd")
     ap.add_argument("--gate-on-attention", action="store_true")
+    ap.add_argument(
+        "--connector",
+        default="P2pGlooAFDConnector",
+        help="AFD connector of the AFD deployment (e.g. P2pShmAFDConnector)",
+    )
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--out", default="afd-bench", help="folder for bench.json and bench.png")
     ap.add_argument("--log-dir", help="keep role logs here (default: a temporary folder)")
@@ -231,6 +236,7 @@ def run_bench(args: Any) -> int:
         max_model_len=args.max_model_len,
         compute_gate_on_attention=bool(args.gate_on_attention),
         startup_timeout_s=300.0,
+        afd={"connector": args.connector},
     )
     if args.attention_cpus:
         base.attention.env["VLLM_CPU_OMP_THREADS_BIND"] = args.attention_cpus
@@ -291,6 +297,7 @@ def run_bench(args: Any) -> int:
             "kv_cache_memory_bytes": base.kv_cache_memory_bytes,
             "enforce_eager": base.enforce_eager,
             "compute_gate_on_attention": base.compute_gate_on_attention,
+            "connector": args.connector,
             "thread_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
             "attention_cpus": args.attention_cpus,
             "ffn_cpus": args.ffn_cpus,
