@@ -148,3 +148,31 @@ def test_qwen3_5_moe_1a1f_greedy_tokens_equal_native(
     assert served_layers(ffn_log) >= 4 * 32
     ffn_inv = inventory(ffn_log, "ffn")
     assert ffn_inv.get("attention", 0) == 0 and ffn_inv["shared_experts"] > 0, ffn_inv
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["ffn", "attention-topk"])
+def test_qwen3_5_moe_1a1f_on_cuda_greedy_tokens_equal_native(
+    tiny_qwen_models: dict[str | None, Path],
+    native_tokens: Any,
+    tmp_path: Path,
+    gate: str,
+) -> None:
+    """The same parity on CUDA with the NCCL connector (``nox -s tests-gpu``), for
+    environments where vLLM's qwen3_5 model file imports (its torchvision dependency)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("requires CUDA (torch.cuda.is_available() is False)")
+    from afd_models_qwen.availability import qwen3_5_import_error
+
+    if (blocker := qwen3_5_import_error()) is not None:
+        pytest.skip(f"vLLM's qwen3_5 model file does not import here: {blocker}")
+    result, ffn_log = run_offline_afd(
+        tiny_qwen_models["qwen3_5_moe_text"],
+        "AFDQwen3_5MoeForCausalLM",
+        afd_settings(gate, connector="P2pNcclAFDConnector"),
+        tmp_path,
+    )
+    native = native_tokens("qwen3_5_moe_text")
+    assert_same_tokens(result["token_ids"], native["token_ids"], native["prompts"])
+    assert served_layers(ffn_log) >= 4 * 32

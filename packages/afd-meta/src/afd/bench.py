@@ -422,7 +422,8 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     axes[0].legend()
     s = report["settings"]
     fig.suptitle(
-        f"AFD 1A1F vs native vLLM, {Path(s['model']).name}, {s['output_len']} output tokens, "
+        f"AFD 1A1F ({s.get('connector', 'P2pGlooAFDConnector')}) vs native vLLM, "
+        f"{Path(s['model']).name}, {s['output_len']} output tokens, "
         f"{report['machine']['cpus']} CPUs"
     )
     fig.tight_layout()
