@@ -125,14 +125,20 @@ def build_afd_moe(
     role: AFDRole | str | None = None,
     platform: str | None = None,
     micro_batch_yield: MicroBatchYield | None = None,
+    factory: Callable[..., Any] | None = None,
     **factory_kwargs: Any,
 ) -> Any:
-    """``FusedMoEFactory(**factory_kwargs)`` with this role's AFD runner and experts."""
+    """``FusedMoEFactory(**factory_kwargs)`` with this role's AFD runner and experts.
+
+    ``factory`` is the factory to call (default: vLLM's ``FusedMoEFactory``); a model
+    wrapper passes the name its model module calls.
+    """
     clash = sorted(k for k in _FACTORY_KWARGS if factory_kwargs.get(k) is not None)
     if clash:
         raise AFDConfigError(
-            f"build_afd_moe: {clash} are chosen by AFD from the role and afd config; do not "
-            "pass them (call vLLM's FusedMoEFactory directly for a custom runner)"
+            f"{factory_kwargs.get('prefix', 'build_afd_moe')}: {clash} are chosen by AFD from "
+            "the role and afd config; the model must not pass them (call vLLM's "
+            "FusedMoEFactory directly for a custom runner)"
         )
     for key in _FACTORY_KWARGS:
         factory_kwargs.pop(key, None)
@@ -141,12 +147,14 @@ def build_afd_moe(
         # output next to the routed output (FFNToAttention.shared_output) when the gate
         # runs on Attention, and inside the final block output when it runs on FFN.
         factory_kwargs["shared_experts"] = None
-    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+    if factory is None:
+        from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
+        factory = FusedMoEFactory
     extra = afd_runner_kwargs(
         afd_config, role=role, platform=platform, micro_batch_yield=micro_batch_yield
     )
-    return FusedMoEFactory(**factory_kwargs, **extra)
+    return factory(**factory_kwargs, **extra)
 
 
 def afd_moe_factory(
@@ -155,6 +163,7 @@ def afd_moe_factory(
     role: AFDRole | str | None = None,
     platform: str | None = None,
     micro_batch_yield: MicroBatchYield | None = None,
+    factory: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """A callable with ``FusedMoEFactory``'s signature that builds this role's AFD layer."""
     return functools.partial(
@@ -163,4 +172,5 @@ def afd_moe_factory(
         role=role,
         platform=platform,
         micro_batch_yield=micro_batch_yield,
+        factory=factory,
     )

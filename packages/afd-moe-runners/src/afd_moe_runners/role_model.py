@@ -80,22 +80,11 @@ def layer_index(prefix: str) -> int:
 
 
 def attention_factory(afd: AFDConfig, native_factory: Any) -> Any:
-    """A stand-in for ``FusedMoEFactory`` that builds the Attention role's AFD layer."""
-    from afd_moe_runners.builder import afd_runner_kwargs
+    """A stand-in for a model module's ``FusedMoEFactory`` name that builds the Attention
+    role's AFD layer (see :func:`afd_moe_runners.builder.build_afd_moe`)."""
+    from afd_moe_runners.builder import afd_moe_factory
 
-    extra = afd_runner_kwargs(afd, role=AFDRole.ATTENTION)
-
-    def factory(**kwargs: Any) -> Any:
-        clash = sorted(k for k in extra if kwargs.get(k) is not None)
-        if clash:
-            raise AFDConfigError(
-                f"{kwargs.get('prefix', 'MoE layer')}: the model already passes {clash} to "
-                "FusedMoEFactory; afd cannot inject its runner there"
-            )
-        # Shared experts live on the FFN role (see afd_moe_runners.builder).
-        return native_factory(**{**kwargs, **extra, "shared_experts": None})
-
-    return factory
+    return afd_moe_factory(afd, role=AFDRole.ATTENTION, factory=native_factory)
 
 
 class NoAttention(nn.Module):
