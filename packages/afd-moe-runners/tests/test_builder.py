@@ -203,3 +203,12 @@ def test_attention_experts_refuse_to_run_a_kernel(vllm_config: Any) -> None:
             topk_weights=torch.ones(1, 2),
             topk_ids=torch.zeros(1, 2, dtype=torch.int32),
         )
+
+
+@pytest.mark.vllm
+def test_attention_runners_refuse_experts_that_hold_weights() -> None:
+    from afd_core.errors import AFDConfigError
+    from afd_moe_runners.remote_experts import require_remote_experts
+
+    with pytest.raises(AFDConfigError, match=r"layer 3: needs parameter-free experts.*object"):
+        require_remote_experts("layer 3", object())

@@ -32,7 +32,7 @@ from afd_core.config import RoutingPayload
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.transfer import AttentionToFFN
 from afd_moe_runners.exchange import MicroBatchYield, no_yield, send_to_ffn
-from afd_moe_runners.remote_experts import RemoteRoutedExperts, check_attention_moe_layer
+from afd_moe_runners.remote_experts import check_attention_moe_layer, require_remote_experts
 from afd_moe_runners.remote_runner import reject_unsupported_inputs
 
 __all__ = ["ExternalRoutingRunner"]
@@ -59,12 +59,7 @@ class ExternalRoutingRunner(MoERunner):
         micro_batch_yield: MicroBatchYield | None = None,
     ) -> None:
         where = f"AFD Attention-role MoE layer {layer_name!r} (compute_gate_on_attention=true)"
-        if not isinstance(routed_experts, RemoteRoutedExperts):
-            raise AFDConfigError(
-                f"{where}: needs parameter-free experts; pass routed_experts_cls="
-                f"RemoteRoutedExperts to the factory (got {type(routed_experts).__name__}); "
-                "afd_runner_kwargs() returns both"
-            )
+        require_remote_experts(where, routed_experts)
         if gate is None:
             raise AFDConfigError(
                 f"{where}: the model did not pass gate= to FusedMoEFactory, so there is no "

@@ -33,7 +33,12 @@ from afd_moe_runners._vllm_compat import check_vllm_version
 
 check_vllm_version()
 
-__all__ = ["RemoteExpertsMethod", "RemoteRoutedExperts", "check_attention_moe_layer"]
+__all__ = [
+    "RemoteExpertsMethod",
+    "RemoteRoutedExperts",
+    "check_attention_moe_layer",
+    "require_remote_experts",
+]
 
 
 def check_attention_moe_layer(
@@ -169,3 +174,13 @@ class RemoteRoutedExperts(RoutedExperts):
                 "wrapper's load_weights (they belong to the FFN role)"
             )
         return iter(())
+
+
+def require_remote_experts(where: str, routed_experts: object) -> None:
+    """An Attention-role runner must be built with parameter-free routed experts."""
+    if not isinstance(routed_experts, RemoteRoutedExperts):
+        raise AFDConfigError(
+            f"{where}: needs parameter-free experts; pass routed_experts_cls="
+            f"RemoteRoutedExperts to the factory (got {type(routed_experts).__name__}); "
+            "afd_runner_kwargs() returns both"
+        )

@@ -25,7 +25,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.transfer import AttentionToFFN
 from afd_moe_runners.exchange import MicroBatchYield, no_yield, send_to_ffn
-from afd_moe_runners.remote_experts import RemoteRoutedExperts, check_attention_moe_layer
+from afd_moe_runners.remote_experts import check_attention_moe_layer, require_remote_experts
 
 __all__ = ["RemoteExpertsRunner", "reject_unsupported_inputs"]
 
@@ -64,12 +64,7 @@ class RemoteExpertsRunner(MoERunner):
         *,
         micro_batch_yield: MicroBatchYield | None = None,
     ) -> None:
-        if not isinstance(routed_experts, RemoteRoutedExperts):
-            raise AFDConfigError(
-                f"{layer_name}: RemoteExpertsRunner needs parameter-free experts; pass "
-                f"routed_experts_cls=RemoteRoutedExperts to the factory (got "
-                f"{type(routed_experts).__name__}); afd_runner_kwargs() returns both"
-            )
+        require_remote_experts(f"{layer_name}: RemoteExpertsRunner", routed_experts)
         check_attention_moe_layer(
             layer_name, moe_config, routed_scaling_factor=routed_scaling_factor, router=router
         )
