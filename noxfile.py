@@ -137,11 +137,71 @@ def tests_gpu(session: nox.Session) -> None:
     pytest(session, "packages", "tests", "-m", "gpu", "-rs")
 
 
+# Probe run by the interpreter that should hold the Ascend stack: prints the number of
+# NPUs torch_npu sees, or why it sees none.
+_NPU_PROBE = """
+try:
+    import torch, torch_npu  # noqa: F401
+    n = torch.npu.device_count()
+except Exception as exc:  # any failure means: no usable NPU here
+    print(f"0 torch_npu unusable: {type(exc).__name__}: {exc}")
+else:
+    print(f"{n} torch_npu {torch_npu.__version__} sees {n} device(s)")
+"""
+
+
+def npu_python() -> tuple[str, int, str]:
+    """(interpreter, NPUs it sees, description): ``AFD_NPU_PYTHON`` or ``python3``."""
+    python = os.environ.get("AFD_NPU_PYTHON") or shutil.which("python3") or sys.executable
+    try:
+        out = subprocess.run(
+            [python, "-c", _NPU_PROBE], capture_output=True, text=True, check=False, timeout=120
+        )
+        count, _, text = out.stdout.strip().partition(" ")
+        return python, int(count), text or out.stderr.strip()[-300:]
+    except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+        return python, 0, f"probe failed: {exc}"
+
+
 @nox.session(name="tests-npu")
 def tests_npu(session: nox.Session) -> None:
-    """npu-marked tests (need torch_npu + vllm-ascend, see docs/install.md); skipped otherwise."""
-    sync(session, "--group", "test")
-    pytest(session, "packages", "tests", "-m", "npu", "-rs")
+    """npu-marked tests on an Ascend host; without an NPU they run and report as skipped.
+
+    The Ascend stack (CANN, torch_npu, vLLM + vllm-ascend for 0.32) is not on PyPI, so
+    it is not in uv.lock: on a host that has it, ``AFD_NPU_PYTHON`` (default: ``python3``)
+    names the interpreter it is installed in. The session then makes a venv that sees
+    that interpreter's packages and adds the afd packages (editable, no dependencies)
+    and the test tools on top.
+    """
+    python, devices, what = npu_python()
+    if devices <= 0:
+        session.log(f"no Ascend NPU via {python}: {what}; npu tests will report as skipped")
+        sync(session, "--group", "test")
+        pytest(session, "packages", "tests", "-m", "npu", "-rs")
+        return
+    session.log(f"Ascend NPU via {python}: {what}")
+    venv = Path(session.create_tmp()) / "npu-venv"
+    session.run(
+        "uv", "venv", "--system-site-packages", "--python", python, str(venv), external=True
+    )
+    venv_python = str(venv / "bin" / "python")
+    editable = [arg for folder in PACKAGES for arg in ("-e", str(ROOT / "packages" / folder))]
+    install = ["uv", "pip", "install", "--python", venv_python]
+    session.run(*install, "--no-deps", *editable, external=True)
+    session.run(*install, "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", external=True)
+    session.run(
+        venv_python,
+        "-m",
+        "pytest",
+        "packages",
+        "tests",
+        "-m",
+        "npu",
+        "-rs",
+        *session.posargs,
+        env=test_env(session),
+        external=True,
+    )
 
 
 @nox.session(name="e2e-cpu")

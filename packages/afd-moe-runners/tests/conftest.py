@@ -59,11 +59,14 @@ def moe_env(vllm_config: Any) -> Any:
 
 
 @contextlib.contextmanager
-def model_dtype(config: Any, dtype: Any, hf_text_config: Any = None) -> Iterator[None]:
+def model_dtype(
+    config: Any, dtype: Any, hf_text_config: Any = None, architecture: str = ""
+) -> Iterator[None]:
     """Build layers as a model of ``dtype`` would be built (default dtype + model_config).
 
     The session config has no ModelConfig (that would need a checkpoint on disk);
-    the blocks read only ``dtype`` and ``hf_text_config`` from it.
+    the blocks read only ``dtype`` and ``hf_text_config`` from it, the connectors'
+    start-up checks the model's ``architectures``.
     """
     import types
 
@@ -71,7 +74,11 @@ def model_dtype(config: Any, dtype: Any, hf_text_config: Any = None) -> Iterator
 
     previous_default = torch.get_default_dtype()
     previous_model_config = config.model_config
-    stand_in = types.SimpleNamespace(dtype=dtype, hf_text_config=hf_text_config)
+    stand_in = types.SimpleNamespace(
+        dtype=dtype,
+        hf_text_config=hf_text_config,
+        architectures=[architecture] if architecture else [],
+    )
     object.__setattr__(config, "model_config", stand_in)
     torch.set_default_dtype(dtype)
     try:
@@ -119,8 +126,13 @@ class MoEEnv:
         self._ports = iter(range(41000, 42000))
 
     # -- building --------------------------------------------------------------------
-    def build_block(self, family: str, dtype: Any, prefix: str, factory: Any = None) -> Any:
-        """A block of ``family`` built under ``prefix``; ``factory`` replaces FusedMoEFactory."""
+    def build_block(
+        self, family: str, dtype: Any, prefix: str, factory: Any = None, architecture: str = ""
+    ) -> Any:
+        """A block of ``family`` built under ``prefix``; ``factory`` replaces FusedMoEFactory.
+
+        ``architecture``: the model architecture the build reports (default: the family's).
+        """
         from unittest import mock
 
         if family.startswith("deepseek"):
@@ -128,6 +140,7 @@ class MoEEnv:
             from vllm.model_executor.models import deepseek_v2
 
             hf = DeepseekV3Config(**DEEPSEEK_V3_STYLE)
+            architecture = architecture or "DeepseekV3ForCausalLM"
             module, make = (
                 deepseek_v2,
                 lambda: deepseek_v2.DeepseekV2MoE(
@@ -142,6 +155,7 @@ class MoEEnv:
             from vllm.model_executor.models import qwen3_moe
 
             hf = Qwen3MoeConfig(**QWEN3_STYLE)
+            architecture = architecture or "Qwen3MoeForCausalLM"
             module, make = (
                 qwen3_moe,
                 lambda: qwen3_moe.Qwen3MoeSparseMoeBlock(self.vllm_config, prefix=prefix),
@@ -149,7 +163,7 @@ class MoEEnv:
         else:
             raise ValueError(family)
         with contextlib.ExitStack() as stack:
-            stack.enter_context(model_dtype(self.vllm_config, dtype, hf))
+            stack.enter_context(model_dtype(self.vllm_config, dtype, hf, architecture))
             if factory is not None:
                 stack.enter_context(mock.patch.object(module, "FusedMoEFactory", factory))
             return make()

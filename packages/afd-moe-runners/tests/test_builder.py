@@ -92,7 +92,8 @@ def test_ffn_role_gets_the_native_factory() -> None:
     [
         ("cpu", "P2pNcclAFDConnector", "set additional_config.afd.connector to one of"),
         ("cuda", "P2pGlooAFDConnector", "['P2pNcclAFDConnector']"),
-        ("npu", "CAMP2pAFDConnector", "AscendMoERunner"),
+        ("npu", "P2pNcclAFDConnector", "['CAMAsyncAFDConnector', 'CAMP2pAFDConnector']"),
+        ("npu", "P2pGlooAFDConnector", "set additional_config.afd.connector to one of"),
         ("tpu", "P2pGlooAFDConnector", "platform 'tpu' is not supported"),
     ],
 )
@@ -212,3 +213,146 @@ def test_attention_runners_refuse_experts_that_hold_weights() -> None:
 
     with pytest.raises(AFDConfigError, match=r"layer 3: needs parameter-free experts.*object"):
         require_remote_experts("layer 3", object())
+
+
+# -- platform npu ----------------------------------------------------------------------
+@pytest.fixture
+def moe_runner_as_ascend_base(monkeypatch: pytest.MonkeyPatch, vllm_config: Any) -> Iterator[None]:
+    """vLLM's MoERunner in place of vLLM-Ascend's AscendMoERunner (hardware boundary).
+
+    The current model reports DeepSeek-V4, the model CAMP2p's Attention-side gate
+    supports, so the connector's start-up check in the builder accepts the deployment.
+    """
+    import types
+
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    from afd_moe_runners.npu import runners
+    from afd_moe_runners.npu.runners import AscendRunnerSeams
+
+    monkeypatch.setattr(runners, "ascend_runner_seams", lambda: AscendRunnerSeams(MoERunner))
+    previous = vllm_config.model_config
+    import torch
+
+    stand_in = types.SimpleNamespace(
+        architectures=["DeepseekV4ForCausalLM"], dtype=torch.float32, hf_text_config=None
+    )
+    object.__setattr__(vllm_config, "model_config", stand_in)
+    try:
+        yield
+    finally:
+        object.__setattr__(vllm_config, "model_config", previous)
+
+
+@pytest.mark.parametrize(
+    ("connector", "gate_on_attention", "runner_name"),
+    [
+        ("CAMP2pAFDConnector", False, "AFDNPURemoteExpertsRunner"),
+        ("CAMP2pAFDConnector", True, "AFDNPUAttentionGateRunner"),
+        ("CAMAsyncAFDConnector", True, "AFDNPUAttentionGateRunner"),
+    ],
+)
+def test_npu_connectors_pick_the_npu_runners(
+    moe_runner_as_ascend_base: None, connector: str, gate_on_attention: bool, runner_name: str
+) -> None:
+    from afd_core.config import RoutingPayload
+    from afd_moe_runners import RemoteRoutedExperts, afd_runner_kwargs
+
+    config = attention_config(connector=connector, compute_gate_on_attention=gate_on_attention)
+    kwargs = afd_runner_kwargs(config, platform="npu")
+    assert kwargs["runner_cls"].__name__ == runner_name
+    assert issubclass(kwargs["routed_experts_cls"], RemoteRoutedExperts)
+    if gate_on_attention:
+        assert kwargs["runner_args"]["routing_payload"] is RoutingPayload.TOPK
+
+
+def test_cam_async_with_the_gate_on_ffn_is_rejected(moe_runner_as_ascend_base: None) -> None:
+    from afd_core.errors import AFDConfigError
+    from afd_moe_runners import afd_runner_kwargs
+
+    config = attention_config(connector="CAMAsyncAFDConnector")
+    with pytest.raises(AFDConfigError, match="compute_gate_on_attention is false") as info:
+        afd_runner_kwargs(config, platform="npu")
+    assert "set afd.compute_gate_on_attention=true" in str(info.value)
+
+
+def test_npu_router_logits_payload_is_rejected(moe_runner_as_ascend_base: None) -> None:
+    from afd_core.config import RoutingPayload
+    from afd_core.errors import AFDConfigError
+    from afd_moe_runners import afd_runner_kwargs
+
+    config = attention_config(
+        connector="CAMP2pAFDConnector",
+        compute_gate_on_attention=True,
+        routing_payload=RoutingPayload.ROUTER_LOGITS,
+    )
+    with pytest.raises(AFDConfigError, match="routing_payload='topk'"):
+        afd_runner_kwargs(config, platform="npu")
+
+
+def test_npu_runners_without_vllm_ascend_name_the_fix(vllm_config: Any) -> None:
+    import importlib.util
+
+    from afd_moe_runners import afd_runner_kwargs
+
+    if importlib.util.find_spec("vllm_ascend") is not None:
+        pytest.skip("vllm_ascend is installed here")
+    config = attention_config(connector="CAMP2pAFDConnector")
+    with pytest.raises(ImportError, match=r"install vllm-ascend for vLLM 0\.32"):
+        afd_runner_kwargs(config, platform="npu")
+
+
+@pytest.mark.parametrize(
+    ("platform", "connector", "gate_on_attention", "expected"),
+    [
+        ("npu", "CAMP2pAFDConnector", True, True),
+        ("npu", "CAMAsyncAFDConnector", True, True),
+        ("npu", "CAMP2pAFDConnector", False, False),
+        ("npu", "LoopbackAFDConnector", True, False),
+        ("cpu", "P2pGlooAFDConnector", True, False),
+        ("cuda", "P2pNcclAFDConnector", True, False),
+    ],
+)
+def test_shared_experts_run_on_attention_only_on_npu_with_the_gate_there(
+    platform: str, connector: str, gate_on_attention: bool, expected: bool
+) -> None:
+    from afd_moe_runners.builder import shared_experts_on_attention
+
+    config = attention_config(connector=connector, compute_gate_on_attention=gate_on_attention)
+    assert shared_experts_on_attention(config, platform=platform) is expected
+
+
+@pytest.mark.parametrize(("platform", "connector"), [("npu", "CAMP2pAFDConnector"), ("cpu", None)])
+def test_build_keeps_shared_experts_on_attention_only_on_npu(
+    vllm_config: Any, moe_runner_as_ascend_base: None, platform: str, connector: str | None
+) -> None:
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    from afd_moe_runners import build_afd_moe
+
+    overrides = {"compute_gate_on_attention": True}
+    if connector is not None:
+        overrides["connector"] = connector
+    config = attention_config(**overrides)
+    shared = torch_mlp()
+    runner = build_afd_moe(
+        config,
+        platform=platform,
+        num_experts=8,
+        top_k=2,
+        hidden_size=32,
+        intermediate_size=16,
+        prefix=f"builder.layers.{next(_prefixes)}.mlp.experts",
+        gate=GateLinear(32, 8, prefix="builder.gate"),
+        shared_experts=shared,
+    )
+    if platform == "npu":
+        assert runner.shared_experts is not None
+    else:
+        assert runner.shared_experts is None
+
+
+def torch_mlp() -> Any:
+    import torch
+
+    return torch.nn.Linear(32, 32, bias=False)

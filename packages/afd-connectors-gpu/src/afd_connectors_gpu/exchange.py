@@ -447,48 +447,24 @@ class ExchangeConnector(AFDConnector):
     def send_to_attention(self, batch: FFNBatch, result: FFNToAttention) -> None:
         link = self._enter(AFDRole.FFN, "send_to_attention")
         try:
-            if tuple(batch.peer_ranks) != self._peer_role_ranks:
-                raise AFDTransferMismatchError(
-                    f"{self._me}: batch is for attention ranks {list(batch.peer_ranks)}, this "
-                    f"rank serves {list(self._peer_role_ranks)}"
-                )
-            total = sum(batch.token_counts)
-            if result.num_tokens != total:
-                raise AFDTransferMismatchError(
-                    f"{self._me}: result has {result.num_tokens} tokens, the batch of layer "
-                    f"{batch.layer_idx} micro-batch {batch.micro_batch_idx} had {total} "
-                    f"({dict(zip(batch.peer_ranks, batch.token_counts, strict=True))})"
-                )
+            answers = batch.answers(result, serving=self._peer_role_ranks, who=self._me)
             deadline, timeout = self._deadline(None)
-            messages = self._answers(batch, result)
+            messages = self._messages(batch, answers, result.shared_output)
             self._send_messages(link, messages, deadline, timeout, batch.micro_batch_idx)
         finally:
             self._leave()
 
-    def _answers(self, batch: FFNBatch, result: FFNToAttention) -> Iterator[_Message]:
-        """``result`` split by ``batch.token_counts``: one message per attention peer.
-
-        Lazy: each peer is checked (``_check_peer``) just before its message is produced.
-        """
-        shared_out = result.shared_output
+    def _messages(
+        self, batch: FFNBatch, answers: list[tuple[int, FFNToAttention]], shared_out: Any
+    ) -> Iterator[_Message]:
+        """One message per attention peer; each peer is checked (``_check_peer``) just
+        before its message is produced."""
         aux = dtype_name(shared_out.dtype) if shared_out is not None else None
         layer, mb = batch.layer_idx, batch.micro_batch_idx
-        if len(self._peers) == 1:
-            peer = self._peers[0]
+        for peer, part in answers:
             self._check_peer(peer)
-            frame = Frame(result.header(layer, mb), aux, self._global_rank)
-            whole = [result.output] if shared_out is None else [result.output, shared_out]
-            yield peer, frame, whole
-            return
-        counts = list(batch.token_counts)
-        outputs = result.output.split(counts, dim=0)
-        shared = (
-            shared_out.split(counts, dim=0) if shared_out is not None else [None] * len(outputs)
-        )
-        for peer, out, sh in zip(self._peers, outputs, shared, strict=True):
-            self._check_peer(peer)
-            part = FFNToAttention(out, shared_output=sh)
             frame = Frame(part.header(layer, mb), aux, self._global_rank)
+            out, sh = part.output, part.shared_output
             yield peer, frame, [out] if sh is None else [out, sh]
 
     # -- shared plumbing ---------------------------------------------------------------

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.errors import AFDConfigError
+from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.topology import AFDTopology
 from afd_core.transfer import AttentionToFFN, FFNToAttention, TransferHeader
 
@@ -54,6 +54,41 @@ class FFNBatch:
     @property
     def micro_batch_idx(self) -> int:
         return self.header.micro_batch_idx
+
+    def answers(
+        self, result: FFNToAttention, *, serving: tuple[int, ...], who: str
+    ) -> list[tuple[int, FFNToAttention]]:
+        """``result`` cut into one answer per peer: ``[(peer_rank, rows of that peer)]``.
+
+        ``serving`` is the attention ranks of the connector answering (it must be the
+        batch's ``peer_ranks``); ``who`` names that connector in errors. Rows are row
+        slices (views) of ``result``, in ``peer_ranks`` order.
+        """
+        if tuple(self.peer_ranks) != tuple(serving):
+            raise AFDTransferMismatchError(
+                f"{who}: batch is for attention ranks {list(self.peer_ranks)}, this rank "
+                f"serves {list(serving)}"
+            )
+        total = sum(self.token_counts)
+        if result.num_tokens != total:
+            raise AFDTransferMismatchError(
+                f"{who}: result has {result.num_tokens} tokens, the batch of layer "
+                f"{self.layer_idx} micro-batch {self.micro_batch_idx} had {total} "
+                f"({dict(zip(self.peer_ranks, self.token_counts, strict=True))})"
+            )
+        if len(self.peer_ranks) == 1:
+            return [(self.peer_ranks[0], result)]
+        output: Any = result.output
+        shared: Any = result.shared_output
+        parts: list[tuple[int, FFNToAttention]] = []
+        offset = 0
+        for peer, n in zip(self.peer_ranks, self.token_counts, strict=True):
+            rows = slice(offset, offset + n)
+            parts.append(
+                (peer, FFNToAttention(output[rows], None if shared is None else shared[rows]))
+            )
+            offset += n
+        return parts
 
 
 class AFDConnector(abc.ABC):
@@ -88,6 +123,20 @@ class AFDConnector(abc.ABC):
                 f"options, got {sorted(extra)}"
             )
         return dict(extra)
+
+    @classmethod
+    def check_deployment(
+        cls, config: AFDConfig, vllm_config: Any, *, platform: str | None = None
+    ) -> None:
+        """Reject, at start-up, a deployment this connector cannot serve.
+
+        The AFD runtime calls it in both roles with the engine's ``VllmConfig`` while the
+        model is being built, before any connector exists, so an unsupported shape
+        (platform, parallelism, batching mode, model) fails early with a message naming
+        the setting to change. ``platform`` is vLLM's device type of this process
+        (``None``: vLLM's current platform). The default accepts every deployment.
+        """
+        return None
 
     # -- lifecycle -----------------------------------------------------------
     @abc.abstractmethod

@@ -60,6 +60,7 @@ class AFDWorkerExtension:
         from vllm.config import set_current_vllm_config
 
         from afd_core.registry import create_connector
+        from afd_moe_runners.builder import shared_experts_on_attention
         from afd_moe_runners.ffn_compute import FFNLayerCompute
 
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
@@ -68,7 +69,12 @@ class AFDWorkerExtension:
         model = self._afd_model()
         stats = ServeStats()
         with set_current_vllm_config(vllm_config):
-            compute = FFNLayerCompute(model.afd_ffn_blocks(), vllm_config=vllm_config)
+            compute = FFNLayerCompute(
+                model.afd_ffn_blocks(),
+                vllm_config=vllm_config,
+                # Ascend with the gate on Attention: that role adds the shared experts.
+                shared_experts_on_attention=shared_experts_on_attention(afd),
+            )
             connector = create_connector(afd, rank=rank)
             self._afd_connector = connector
             if getattr(self, "_afd_stop_requested", False):

@@ -44,15 +44,19 @@ def vllm_version() -> str:
     return str(vllm.__version__)
 
 
+def release_line(version: str) -> tuple[int, int] | None:
+    """``"0.32.1+cpu"`` -> ``(0, 32)``; None when ``version`` has no major.minor."""
+    parts = version.split("+", 1)[0].split(".")
+    try:
+        return (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return None
+
+
 def check_vllm_version(version: str | None = None) -> None:
     """Raise ``ImportError`` unless ``version`` (default: installed vLLM) is 0.32.x."""
     found = vllm_version() if version is None else version
-    parts = found.split("+", 1)[0].split(".")
-    try:
-        major_minor = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
-        major_minor = None
-    if major_minor != SUPPORTED_VLLM:
+    if release_line(found) != SUPPORTED_VLLM:
         wanted = ".".join(str(p) for p in SUPPORTED_VLLM)
         raise ImportError(
             f"afd-moe-runners supports vLLM {wanted}.x only, found vLLM {found}: install "

@@ -4,13 +4,20 @@ A model wrapper asks :func:`afd_runner_kwargs` for the extra ``FusedMoEFactory``
 arguments of its role and passes them with the model's usual ones; or it calls
 :func:`build_afd_moe` / :func:`afd_moe_factory` (a drop-in for ``FusedMoEFactory``).
 
-==========  ===================================  ==========================================
-role        compute_gate_on_attention            factory kwargs
-==========  ===================================  ==========================================
-ffn         either                               none: vLLM's native runner and experts
-attention   false (gate on FFN)                  RemoteExpertsRunner + RemoteRoutedExperts
-attention   true  (gate on Attention)            ExternalRoutingRunner + RemoteRoutedExperts
-==========  ===================================  ==========================================
+=========  ========  ========================  ============================================
+role       platform  compute_gate_on_attention factory kwargs
+=========  ========  ========================  ============================================
+ffn        any       either                    none: the platform's native runner, experts
+attention  cpu/cuda  false (gate on FFN)       RemoteExpertsRunner + RemoteRoutedExperts
+attention  cpu/cuda  true  (gate on Attention) ExternalRoutingRunner + RemoteRoutedExperts
+attention  npu       false (CAMP2p only)       AFDNPURemoteExpertsRunner + remote experts
+attention  npu       true  (CAMP2p, CAMAsync)  AFDNPUAttentionGateRunner + remote experts
+=========  ========  ========================  ============================================
+
+Shared experts (:func:`shared_experts_on_attention`): on cpu/cuda the FFN role always
+computes them (with the gate on Attention it returns their output separately); on
+npu with the gate on Attention they run on the Attention role, between send and
+receive, and the FFN role computes routed experts only.
 
 The Attention-role runners are accepted only on the (platform, connector) pairs in
 :data:`SUPPORTED_CONNECTORS`; per-layer features they cannot honour (Attention-side
@@ -24,7 +31,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from afd_core.config import AFDConfig, AFDRole
+from afd_core.config import AFDConfig, AFDRole, RoutingPayload
 from afd_core.errors import AFDConfigError
 
 if TYPE_CHECKING:
@@ -37,11 +44,20 @@ __all__ = [
     "build_afd_moe",
     "afd_moe_factory",
     "current_platform_name",
+    "shared_experts_on_attention",
+    "NPU_SYNC_CONNECTOR",
+    "NPU_ASYNC_CONNECTOR",
 ]
+
+NPU_SYNC_CONNECTOR = "CAMP2pAFDConnector"
+"""Ascend, synchronous: either gate placement."""
+NPU_ASYNC_CONNECTOR = "CAMAsyncAFDConnector"
+"""Ascend, async dispatch/combine: gate on Attention only."""
 
 SUPPORTED_CONNECTORS: Mapping[str, frozenset[str]] = {
     "cpu": frozenset({"P2pGlooAFDConnector", "P2pShmAFDConnector"}),
     "cuda": frozenset({"P2pNcclAFDConnector"}),
+    "npu": frozenset({NPU_SYNC_CONNECTOR, NPU_ASYNC_CONNECTOR}),
 }
 """Platform (vLLM ``device_type``) -> connectors the Attention-role runners work with."""
 
@@ -61,12 +77,6 @@ def current_platform_name() -> str:
 def _check_supported(platform: str, connector: str) -> None:
     if connector in ANY_PLATFORM_CONNECTORS:
         return
-    if platform == "npu":
-        raise AFDConfigError(
-            f"AFD MoE runners: platform 'npu' (connector {connector!r}) is not supported by "
-            "afd-moe-runners; Ascend Attention roles need runners derived from vLLM-Ascend's "
-            "AscendMoERunner. Use a CPU or CUDA Attention role"
-        )
     supported = SUPPORTED_CONNECTORS.get(platform)
     if supported is None:
         raise AFDConfigError(
@@ -78,6 +88,45 @@ def _check_supported(platform: str, connector: str) -> None:
             f"AFD MoE runners: connector {connector!r} is not supported on platform "
             f"{platform!r}; set additional_config.afd.connector to one of {sorted(supported)}"
         )
+
+
+def _uses_npu_runners(platform: str, connector: str) -> bool:
+    return platform == "npu" and connector in SUPPORTED_CONNECTORS["npu"]
+
+
+def shared_experts_on_attention(afd_config: AFDConfig, *, platform: str | None = None) -> bool:
+    """Whether the Attention role computes the shared experts (else the FFN role does).
+
+    True only on Ascend with the gate on Attention (CAMP2p or CAMAsync): the Attention
+    role runs gate + shared experts and the FFN role the routed experts alone. Both
+    roles must agree; the FFN side passes this to ``FFNLayerCompute``.
+    """
+    if not afd_config.compute_gate_on_attention:
+        return False
+    platform = platform if platform is not None else current_platform_name()
+    return _uses_npu_runners(platform, afd_config.connector)
+
+
+def _npu_runner_kwargs(
+    afd_config: AFDConfig, micro_batch_yield: MicroBatchYield | None
+) -> dict[str, Any]:
+    # The connector's start-up check (run just before) has accepted the combination:
+    # CAMAsync only with the gate on Attention, top-k payloads only.
+    gate_on_attention = afd_config.compute_gate_on_attention
+    from afd_moe_runners.npu.runners import npu_runner_classes
+
+    classes = npu_runner_classes()
+    runner_args: dict[str, Any] = {"micro_batch_yield": micro_batch_yield}
+    if gate_on_attention:
+        runner_cls = classes.attention_gate_runner
+        runner_args["routing_payload"] = RoutingPayload.TOPK
+    else:
+        runner_cls = classes.remote_experts_runner
+    return {
+        "runner_cls": runner_cls,
+        "runner_args": runner_args,
+        "routed_experts_cls": classes.routed_experts,
+    }
 
 
 def afd_runner_kwargs(
@@ -98,6 +147,16 @@ def afd_runner_kwargs(
         return {}
     platform = platform if platform is not None else current_platform_name()
     _check_supported(platform, afd_config.connector)
+    if _uses_npu_runners(platform, afd_config.connector):
+        # vLLM-Ascend builds the model (no afd wrapper ran check_supported_parallelism):
+        # the connector's start-up check runs here, at the first MoE layer.
+        from vllm.config import get_current_vllm_config
+
+        from afd_core.registry import get_connector_class
+
+        connector_cls = get_connector_class(afd_config.connector)
+        connector_cls.check_deployment(afd_config, get_current_vllm_config(), platform=platform)
+        return _npu_runner_kwargs(afd_config, micro_batch_yield)
 
     from afd_moe_runners.remote_experts import RemoteRoutedExperts
 
@@ -143,10 +202,13 @@ def build_afd_moe(
     for key in _FACTORY_KWARGS:
         factory_kwargs.pop(key, None)
     if AFDRole(role if role is not None else afd_config.role) is AFDRole.ATTENTION:
-        # Shared experts live on the FFN role in both gate placements: it returns their
-        # output next to the routed output (FFNToAttention.shared_output) when the gate
-        # runs on Attention, and inside the final block output when it runs on FFN.
-        factory_kwargs["shared_experts"] = None
+        platform = platform if platform is not None else current_platform_name()
+        if not shared_experts_on_attention(afd_config, platform=platform):
+            # On cpu/cuda the shared experts live on the FFN role in both gate placements:
+            # it returns their output next to the routed output (shared_output) when the
+            # gate runs on Attention, and inside the final block output when it runs on
+            # FFN. On npu with the gate on Attention they stay here (see the table above).
+            factory_kwargs["shared_experts"] = None
     if factory is None:
         from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 

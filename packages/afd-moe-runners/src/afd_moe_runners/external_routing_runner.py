@@ -35,11 +35,24 @@ from afd_moe_runners.exchange import MicroBatchYield, no_yield, send_to_ffn
 from afd_moe_runners.remote_experts import check_attention_moe_layer, require_remote_experts
 from afd_moe_runners.remote_runner import reject_unsupported_inputs
 
-__all__ = ["ExternalRoutingRunner"]
+__all__ = ["ExternalRoutingForward", "ExternalRoutingRunner"]
 
 
-class ExternalRoutingRunner(MoERunner):
-    """Attention-role ``runner_cls`` for gate on Attention (external routing)."""
+class ExternalRoutingForward:
+    """Gate-on-Attention behaviour, independent of the runner base class.
+
+    Mixed in before a ``MoERunner`` subclass: vLLM's own (:class:`ExternalRoutingRunner`)
+    or vLLM-Ascend's ``AscendMoERunner`` (``afd_moe_runners.npu.runners``). It uses
+    only members every ``MoERunner`` has (``gate``, ``router.select_experts``,
+    ``shared_experts``, ``moe_config``, ``_maybe_apply_routed_scale_to_output``).
+    """
+
+    layer_name: str
+    gate: torch.nn.Module | None
+    router: Any
+    moe_config: Any
+    shared_experts: Any
+    _maybe_apply_routed_scale_to_output: Any
 
     def __init__(
         self,
@@ -86,7 +99,7 @@ class ExternalRoutingRunner(MoERunner):
         check_attention_moe_layer(
             layer_name, moe_config, routed_scaling_factor=routed_scaling_factor, router=router
         )
-        super().__init__(
+        super().__init__(  # type: ignore[call-arg]
             layer_name=layer_name,
             moe_config=moe_config,
             router=router,
@@ -99,6 +112,12 @@ class ExternalRoutingRunner(MoERunner):
         self.routing_payload = RoutingPayload(routing_payload)
         self.afd_layer_idx = extract_layer_index(layer_name)
         self.micro_batch_yield: MicroBatchYield = micro_batch_yield or no_yield
+
+    @property
+    def is_internal_router(self) -> bool:
+        # The runner applies the gate itself (vLLM 0.32 never reads this property;
+        # vLLM-Ascend's model code does).
+        return True
 
     def route(self, hidden_states: torch.Tensor) -> AttentionToFFN:
         """Apply the native gate (and router, for top-k payloads): the A->F payload."""
@@ -167,3 +186,7 @@ class ExternalRoutingRunner(MoERunner):
         if shared_output is not None:
             return shared_output + fused_output
         return fused_output
+
+
+class ExternalRoutingRunner(ExternalRoutingForward, MoERunner):
+    """Attention-role ``runner_cls`` for gate on Attention (external routing)."""

@@ -170,14 +170,25 @@ class FFNLayerCompute:
     dense MLP. ``vllm_config`` is the configuration the blocks were built under (it
     holds vLLM's layer registry the MoE custom op looks runners up in); default: the
     current one at construction.
+
+    ``shared_experts_on_attention``: the Attention role computes the shared experts
+    itself (Ascend with the gate on Attention, see
+    ``afd_moe_runners.builder.shared_experts_on_attention``); routing payloads then get
+    the routed output alone, so the shared term is never added by both roles, and a
+    hidden-only payload (which would need the whole block here) is refused.
     """
 
     def __init__(
-        self, layers: Mapping[int, torch.nn.Module], *, vllm_config: VllmConfig | None = None
+        self,
+        layers: Mapping[int, torch.nn.Module],
+        *,
+        vllm_config: VllmConfig | None = None,
+        shared_experts_on_attention: bool = False,
     ) -> None:
         self.layers = dict(layers)
         self.runners = {idx: find_moe_runner(block) for idx, block in self.layers.items()}
         self.vllm_config = vllm_config if vllm_config is not None else get_current_vllm_config()
+        self.shared_experts_on_attention = shared_experts_on_attention
 
     def block(self, layer_idx: int) -> torch.nn.Module:
         try:
@@ -205,6 +216,12 @@ class FFNLayerCompute:
         hidden = payload.hidden_states
         assert isinstance(hidden, torch.Tensor)
         if kind is PayloadKind.HIDDEN:
+            if runner is not None and self.shared_experts_on_attention:
+                raise AFDTransferMismatchError(
+                    f"layer {layer_idx}: received hidden states only (gate on FFN), but this "
+                    "FFN role was built with shared_experts_on_attention=True (gate on "
+                    "Attention); both roles must use the same compute_gate_on_attention"
+                )
             if runner is None:
                 return FFNToAttention(_as_tensor(block(hidden), layer_idx))
             with self._forward_context(hidden.shape[0]):
@@ -217,6 +234,8 @@ class FFNLayerCompute:
                 )
             with self._forward_context(hidden.shape[0]):
                 routed = routed_experts_output(runner, payload)
+                if self.shared_experts_on_attention:
+                    return FFNToAttention(routed)
                 return FFNToAttention(routed, shared_output=shared_experts_output(runner, hidden))
         raise AFDConfigError(
             f"layer {layer_idx}: payload kind {kind.name} is not supported by FFNLayerCompute"

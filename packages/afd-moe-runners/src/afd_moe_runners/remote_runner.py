@@ -27,7 +27,7 @@ from afd_core.transfer import AttentionToFFN
 from afd_moe_runners.exchange import MicroBatchYield, no_yield, send_to_ffn
 from afd_moe_runners.remote_experts import check_attention_moe_layer, require_remote_experts
 
-__all__ = ["RemoteExpertsRunner", "reject_unsupported_inputs"]
+__all__ = ["RemoteExpertsForward", "RemoteExpertsRunner", "reject_unsupported_inputs"]
 
 
 def reject_unsupported_inputs(
@@ -45,8 +45,16 @@ def reject_unsupported_inputs(
         )
 
 
-class RemoteExpertsRunner(MoERunner):
-    """Attention-role ``runner_cls`` for gate on FFN: send, yield, receive, return."""
+class RemoteExpertsForward:
+    """Gate-on-FFN behaviour, independent of the runner base class.
+
+    Mixed in before a ``MoERunner`` subclass: vLLM's own (:class:`RemoteExpertsRunner`)
+    or vLLM-Ascend's ``AscendMoERunner`` (``afd_moe_runners.npu.runners``). It only
+    calls the base's ``__init__`` with the keyword arguments every ``MoERunner``
+    accepts, so the concrete classes differ by their base class alone.
+    """
+
+    layer_name: str
 
     def __init__(
         self,
@@ -70,7 +78,7 @@ class RemoteExpertsRunner(MoERunner):
         )
         # Everything that computes (gate, shared experts, transforms, scaling) runs on
         # the FFN role; none of it is kept here.
-        super().__init__(
+        super().__init__(  # type: ignore[call-arg]
             layer_name=layer_name,
             moe_config=moe_config,
             router=router,
@@ -79,6 +87,12 @@ class RemoteExpertsRunner(MoERunner):
         )
         self.afd_layer_idx = extract_layer_index(layer_name)
         self.micro_batch_yield: MicroBatchYield = micro_batch_yield or no_yield
+
+    @property
+    def is_internal_router(self) -> bool:
+        # vLLM 0.32 never reads this; vLLM-Ascend's model code does, and must not call
+        # a local gate the Attention role does not hold.
+        return True
 
     def forward(
         self,
@@ -100,3 +114,7 @@ class RemoteExpertsRunner(MoERunner):
         output = result.output
         assert isinstance(output, torch.Tensor)
         return output
+
+
+class RemoteExpertsRunner(RemoteExpertsForward, MoERunner):
+    """Attention-role ``runner_cls`` for gate on FFN: send, yield, receive, return."""

@@ -26,7 +26,7 @@ from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector import AFDConnector
 from afd_core.errors import AFDConfigError
 from afd_core.forward_context import AFDStepMetadata, set_step_metadata
-from afd_core.registry import create_connector
+from afd_core.registry import create_connector, get_connector_class
 from afd_core.weights import RoleWeightStats, WeightOwner, filter_role_weights
 from afd_moe_runners.dense import RemoteDenseMLP
 from afd_moe_runners.exchange import no_yield
@@ -59,7 +59,14 @@ def afd_config_of(vllm_config: VllmConfig) -> AFDConfig:
 
 
 def check_supported_parallelism(vllm_config: VllmConfig, model_name: str) -> None:
-    """Reject parallel layouts this AFD runtime does not implement yet, before building."""
+    """Reject parallel layouts this AFD runtime does not implement yet, before building.
+
+    The configured connector checks the deployment first
+    (:meth:`afd_core.connector.AFDConnector.check_deployment`): its message names the
+    connector's own limits.
+    """
+    afd = afd_config_of(vllm_config)
+    get_connector_class(afd.connector).check_deployment(afd, vllm_config)
     pc = vllm_config.parallel_config
     for name, value in (
         ("tensor_parallel_size", pc.tensor_parallel_size),

@@ -278,20 +278,12 @@ class LoopbackAFDConnector(AFDConnector):
 
     def send_to_attention(self, batch: FFNBatch, result: FFNToAttention) -> None:
         hub = self._live_hub("send_to_attention", AFDRole.FFN)
-        if result.num_tokens != sum(batch.token_counts):
-            raise AFDTransferMismatchError(
-                f"{self._who}: result has {result.num_tokens} tokens, the batch of layer "
-                f"{batch.layer_idx} had {sum(batch.token_counts)} {batch.token_counts}"
-            )
-        output: Any = result.output
-        shared: Any = result.shared_output
-        offset = 0
-        for peer, n in zip(batch.peer_ranks, batch.token_counts, strict=True):
+        serving = tuple(self.topology.attention_peers_of(self.rank))
+        for peer, rows in batch.answers(result, serving=serving, who=self._who):
             part = FFNToAttention(
-                output=_clone(output[offset : offset + n]),
-                shared_output=None if shared is None else _clone(shared[offset : offset + n]),
+                output=_clone(rows.output),
+                shared_output=None if rows.shared_output is None else _clone(rows.shared_output),
             )
-            offset += n
             header = part.header(batch.layer_idx, batch.micro_batch_idx)
             self._put(hub, peer, _Message(header, part))
 

@@ -1,0 +1,144 @@
+"""Ascend (NPU) building blocks of the AFD MoE runners, loaded lazily.
+
+``import afd_moe_runners.npu`` imports neither torch, vLLM nor vLLM-Ascend; each
+name below is loaded from its submodule on first use, and only the classes that
+derive from vLLM-Ascend classes import ``vllm_ascend`` (inside their builders).
+
+* :mod:`~afd_moe_runners.npu.runners` -- Attention-role runners on ``AscendMoERunner``;
+* :mod:`~afd_moe_runners.npu.external_routing` -- the FFN-role external-routing flow
+  (pure torch; runs on CPU);
+* :mod:`~afd_moe_runners.npu.ascend` -- its vLLM-Ascend prepare/finalize and comm
+  subclasses (Ascend hosts only);
+* :mod:`~afd_moe_runners.npu.expert_weights` -- the expert-weight contract of FFN-side
+  native compute (pure torch);
+* :mod:`~afd_moe_runners.npu.cam_layout` -- CAM TP/SP row layout helpers (pure torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from afd_moe_runners.npu.ascend import build_ascend_external_routing_moe
+    from afd_moe_runners.npu.cam_layout import (
+        CamLocalInputs,
+        CamTokenLayout,
+        RowGather,
+        pad_routing,
+        pad_rows,
+        prepare_cam_inputs,
+        process_group_row_gather,
+        restore_rows,
+        shard_rows,
+    )
+    from afd_moe_runners.npu.expert_weights import (
+        ExpertWeightsGeometry,
+        ExpertWeightsLayoutError,
+        QuantizedExpertWeights,
+        QuantScheme,
+        TensorLayout,
+        graph_signature,
+        validate_homogeneous_layers,
+    )
+    from afd_moe_runners.npu.external_routing import (
+        CommSlot,
+        ExpertsApply,
+        ExternalRouting,
+        ExternalRoutingComm,
+        ExternalRoutingMoE,
+        LocalCommSlot,
+        LocalExternalRoutingComm,
+        LocalPrepareAndFinalize,
+    )
+    from afd_moe_runners.npu.runners import compose_runner, npu_runner_classes
+
+# name -> submodule of this package.
+_EXPORTS: dict[str, str] = {
+    "AFDNPURemoteExpertsRunner": "runners",
+    "AFDNPUAttentionGateRunner": "runners",
+    "compose_runner": "runners",
+    "npu_runner_classes": "runners",
+    "ExternalRouting": "external_routing",
+    "ExternalRoutingMoE": "external_routing",
+    "ExternalRoutingComm": "external_routing",
+    "CommSlot": "external_routing",
+    "ExpertsApply": "external_routing",
+    "LocalPrepareAndFinalize": "external_routing",
+    "LocalExternalRoutingComm": "external_routing",
+    "LocalCommSlot": "external_routing",
+    "AFDPrepareAndFinalizeWithAllGather": "ascend",
+    "AFDPrepareAndFinalizeWithMC2": "ascend",
+    "AFDAllGatherCommImpl": "ascend",
+    "AFDMC2CommImpl": "ascend",
+    "build_ascend_external_routing_moe": "ascend",
+    "QuantizedExpertWeights": "expert_weights",
+    "QuantScheme": "expert_weights",
+    "ExpertWeightsGeometry": "expert_weights",
+    "ExpertWeightsLayoutError": "expert_weights",
+    "TensorLayout": "expert_weights",
+    "validate_homogeneous_layers": "expert_weights",
+    "graph_signature": "expert_weights",
+    "CamTokenLayout": "cam_layout",
+    "CamLocalInputs": "cam_layout",
+    "RowGather": "cam_layout",
+    "pad_rows": "cam_layout",
+    "shard_rows": "cam_layout",
+    "pad_routing": "cam_layout",
+    "prepare_cam_inputs": "cam_layout",
+    "restore_rows": "cam_layout",
+    "process_group_row_gather": "cam_layout",
+}
+
+__all__ = [
+    "AFDNPURemoteExpertsRunner",
+    "AFDNPUAttentionGateRunner",
+    "compose_runner",
+    "npu_runner_classes",
+    "ExternalRouting",
+    "ExternalRoutingMoE",
+    "ExternalRoutingComm",
+    "CommSlot",
+    "ExpertsApply",
+    "LocalPrepareAndFinalize",
+    "LocalExternalRoutingComm",
+    "LocalCommSlot",
+    "AFDPrepareAndFinalizeWithAllGather",
+    "AFDPrepareAndFinalizeWithMC2",
+    "AFDAllGatherCommImpl",
+    "AFDMC2CommImpl",
+    "build_ascend_external_routing_moe",
+    "QuantizedExpertWeights",
+    "QuantScheme",
+    "ExpertWeightsGeometry",
+    "ExpertWeightsLayoutError",
+    "TensorLayout",
+    "validate_homogeneous_layers",
+    "graph_signature",
+    "CamTokenLayout",
+    "CamLocalInputs",
+    "RowGather",
+    "pad_rows",
+    "shard_rows",
+    "pad_routing",
+    "prepare_cam_inputs",
+    "restore_rows",
+    "process_group_row_gather",
+]
+assert set(__all__) == set(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    if not name.startswith("AFD"):
+        # The AFD* classes are built from vLLM-Ascend on first use: not cached here, so
+        # a first attempt without vllm_ascend is retried rather than remembered.
+        globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
