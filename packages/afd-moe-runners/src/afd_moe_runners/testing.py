@@ -1,0 +1,305 @@
+"""Test support: real vLLM (CPU) MoE blocks, their AFD twins, and split runs of them.
+
+Used by this package's tests and by cross-package integration tests (for example the
+Ascend paths over the CAM connectors' fake operators). Everything runs real vLLM code;
+torch and vLLM are imported inside the functions, so importing this module is cheap.
+
+Typical use (one VllmConfig per test session, see :func:`session_vllm_config`)::
+
+    with session_vllm_config() as config:
+        env = MoEEnv(config)
+        native = env.load(env.build_block("deepseek", torch.float32, prefix=...), ckpt)
+        twin = env.load(env.build_block(..., factory=afd_moe_factory(afd_config)), ckpt)
+        assert torch.equal(env.split_forward(twin, FFNLayerCompute({6: native}), x),
+                           env.native_forward(native, x))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = [
+    "DEEPSEEK_V3_STYLE",
+    "QWEN3_STYLE",
+    "MoEEnv",
+    "model_dtype",
+    "session_vllm_config",
+]
+
+
+@contextlib.contextmanager
+def session_vllm_config() -> Iterator[Any]:
+    """A default VllmConfig made current, with a 1-rank gloo world initialised.
+
+    vLLM keeps its layer registry on the VllmConfig the layers were built under, and
+    the MoE forward looks runners up there: build every block of a session under this
+    one config and run every forward in :meth:`MoEEnv.forward_context`. An already
+    initialised 1-rank world (another session in the same process) is reused.
+    """
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+
+    config = VllmConfig()
+    with set_current_vllm_config(config), tempfile.NamedTemporaryFile() as rendezvous:
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"file://{rendezvous.name}",
+            local_rank=0,
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(1, 1)
+        yield config
+
+
+@contextlib.contextmanager
+def model_dtype(
+    config: Any, dtype: Any, hf_text_config: Any = None, architecture: str = ""
+) -> Iterator[None]:
+    """Build layers as a model of ``dtype`` would be built (default dtype + model_config).
+
+    The session config has no ModelConfig (that would need a checkpoint on disk);
+    the blocks read only ``dtype`` and ``hf_text_config`` from it, the connectors'
+    start-up checks the model's ``architectures``.
+    """
+    import types
+
+    import torch
+
+    previous_default = torch.get_default_dtype()
+    previous_model_config = config.model_config
+    stand_in = types.SimpleNamespace(
+        dtype=dtype,
+        hf_text_config=hf_text_config,
+        architectures=[architecture] if architecture else [],
+    )
+    object.__setattr__(config, "model_config", stand_in)
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous_default)
+        object.__setattr__(config, "model_config", previous_model_config)
+
+
+DEEPSEEK_V3_STYLE = {
+    "hidden_size": 64,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "hidden_act": "silu",
+}
+QWEN3_STYLE = {
+    "hidden_size": 64,
+    "moe_intermediate_size": 32,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "hidden_act": "silu",
+}
+
+
+class MoEEnv:
+    """Builds native vLLM blocks and their Attention-side AFD twins; runs them split.
+
+    ``family`` is ``"deepseek"`` (DeepseekV2MoE, V3-style: grouped top-k, sigmoid,
+    e_score_correction_bias, routed_scaling_factor 2.5, one shared expert),
+    ``"deepseek_scale_on_output"`` (the same with apply_routed_scale_to_output) or
+    ``"qwen3"`` (Qwen3MoeSparseMoeBlock: softmax top-k, norm_topk_prob).
+    """
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+        self._ports = iter(range(41000, 42000))
+
+    # -- building --------------------------------------------------------------------
+    def build_block(
+        self, family: str, dtype: Any, prefix: str, factory: Any = None, architecture: str = ""
+    ) -> Any:
+        """A block of ``family`` built under ``prefix``; ``factory`` replaces FusedMoEFactory.
+
+        ``architecture``: the model architecture the build reports (default: the family's).
+        """
+        from unittest import mock
+
+        if family.startswith("deepseek"):
+            from transformers import DeepseekV3Config
+            from vllm.model_executor.models import deepseek_v2
+
+            hf = DeepseekV3Config(**DEEPSEEK_V3_STYLE)
+            architecture = architecture or "DeepseekV3ForCausalLM"
+            module, make = (
+                deepseek_v2,
+                lambda: deepseek_v2.DeepseekV2MoE(
+                    hf,
+                    self.vllm_config.parallel_config,
+                    prefix=prefix,
+                    apply_routed_scale_to_output=family == "deepseek_scale_on_output",
+                ),
+            )
+        elif family == "qwen3":
+            from transformers import Qwen3MoeConfig
+            from vllm.model_executor.models import qwen3_moe
+
+            hf = Qwen3MoeConfig(**QWEN3_STYLE)
+            architecture = architecture or "Qwen3MoeForCausalLM"
+            module, make = (
+                qwen3_moe,
+                lambda: qwen3_moe.Qwen3MoeSparseMoeBlock(self.vllm_config, prefix=prefix),
+            )
+        else:
+            raise ValueError(family)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(model_dtype(self.vllm_config, dtype, hf, architecture))
+            if factory is not None:
+                stack.enter_context(mock.patch.object(module, "FusedMoEFactory", factory))
+            return make()
+
+    @staticmethod
+    def checkpoint_for(block: Any, seed: int) -> dict[str, Any]:
+        """Seeded random "checkpoint" tensors for every parameter of ``block``."""
+        import torch
+
+        generator = torch.Generator().manual_seed(seed)
+        weights = {}
+        for name, param in block.named_parameters():
+            scale = 1.0 if name.endswith(("gate.weight", "e_score_correction_bias")) else 0.1
+            value = torch.randn(param.shape, generator=generator, dtype=torch.float32) * scale
+            weights[name] = value.to(param.dtype)
+        return weights
+
+    @staticmethod
+    def load(block: Any, checkpoint: dict[str, Any]) -> Any:
+        """Copy ``checkpoint`` into ``block`` (every parameter must be found) and finish
+        loading as vLLM's loader does (``process_weights_after_loading``)."""
+        import torch
+
+        with torch.no_grad():
+            for name, param in block.named_parameters():
+                param.copy_(checkpoint[name])
+        for module in block.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+        return block
+
+    # -- running ---------------------------------------------------------------------
+    def forward_context(self, num_tokens: int) -> Any:
+        from vllm.forward_context import set_forward_context
+
+        return set_forward_context(None, self.vllm_config, num_tokens=num_tokens)
+
+    def native_forward(self, block: Any, x: Any) -> Any:
+        import torch
+
+        with torch.no_grad(), self.forward_context(x.shape[0]):
+            return block(x.clone())
+
+    def connector_pair(self) -> tuple[Any, Any]:
+        """An initialised loopback (Attention, FFN) connector pair on a fresh address."""
+        from afd_core.config import AFDConfig, AFDRole
+        from afd_core.testing.loopback import LoopbackAFDConnector
+
+        port = next(self._ports)
+        pair = []
+        for role in (AFDRole.ATTENTION, AFDRole.FFN):
+            config = AFDConfig(
+                role=role,
+                connector="LoopbackAFDConnector",
+                host="afd-moe-tests",
+                port=port,
+                transfer_timeout_s=60.0,
+            )
+            connector = LoopbackAFDConnector(config, rank=0)
+            connector.init()
+            pair.append(connector)
+        return pair[0], pair[1]
+
+    def split_forward(
+        self,
+        attention_module: Any,
+        ffn_compute: Any,
+        x: Any,
+        *,
+        micro_batch_idx: int = 0,
+        num_micro_batches: int = 1,
+        num_tokens: int | None = None,
+        connectors: tuple[Any, Any] | None = None,
+    ) -> Any:
+        """Attention side in this thread, FFN side (one layer) in another.
+
+        ``connectors``: an initialised (Attention, FFN) pair to run over (default: a
+        fresh loopback pair); either way both are closed when the run ends.
+
+        vLLM's CPU kernels are not safe to run from two threads at once (a concurrent
+        shared-expert GEMM and fused-MoE kernel segfault in cpu_fused_moe), which two
+        real role processes never do. So the FFN thread starts computing only once the
+        Attention side reached its micro-batch yield point (after the send and any
+        local shared experts), through that same public hook.
+        """
+        import threading
+
+        import torch
+        from vllm.forward_context import get_forward_context
+
+        from afd_core.forward_context import AFDStepMetadata, set_step_metadata
+
+        attention, ffn = connectors if connectors is not None else self.connector_pair()
+        failure: list[BaseException] = []
+        attention_idle = threading.Event()
+        hooked = [m for m in attention_module.modules() if hasattr(m, "micro_batch_yield")]
+        assert len(hooked) == 1, "expected exactly one AFD layer in the Attention module"
+        original_yield = hooked[0].micro_batch_yield
+
+        def yield_point(layer_idx: int, mb: int) -> None:
+            original_yield(layer_idx, mb)
+            attention_idle.set()
+
+        def serve() -> None:
+            try:
+                batch = ffn.recv_from_attention(timeout_s=60.0)
+                if not attention_idle.wait(timeout=60.0):
+                    raise TimeoutError("the Attention side never reached its yield point")
+                result = ffn_compute.compute(batch.layer_idx, batch.payload)
+                ffn.send_to_attention(batch, result)
+            except BaseException as exc:  # re-raised in the test thread
+                failure.append(exc)
+
+        server = threading.Thread(target=serve, name="afd-ffn", daemon=True)
+        server.start()
+        hooked[0].micro_batch_yield = yield_point
+        try:
+            with torch.no_grad(), self.forward_context(x.shape[0]):
+                set_step_metadata(
+                    get_forward_context(),
+                    AFDStepMetadata(
+                        connector=attention,
+                        micro_batch_idx=micro_batch_idx,
+                        num_micro_batches=num_micro_batches,
+                        num_tokens=num_tokens,
+                    ),
+                )
+                out = attention_module(x.clone())
+        finally:
+            hooked[0].micro_batch_yield = original_yield
+            # Closing the Attention side first unblocks a server still waiting after a
+            # failure here; after a success the server has already answered.
+            attention.close()
+            server.join(timeout=60.0)
+            ffn.close()
+        if failure:
+            raise failure[0]
+        return out
