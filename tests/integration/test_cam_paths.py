@@ -31,6 +31,12 @@ from afd_core.registry import get_connector_class
 from afd_moe_runners import FFNLayerCompute, afd_moe_factory
 from afd_moe_runners.builder import shared_experts_on_attention
 from afd_moe_runners.npu import runners as npu_runners
+from afd_moe_runners.npu.external_routing import (
+    ExternalRoutingMoE,
+    LocalCommSlot,
+    LocalExternalRoutingComm,
+    RoutedExpertsApply,
+)
 from afd_moe_runners.npu.runners import AscendRunnerSeams
 from afd_moe_runners.testing import MoEEnv, session_vllm_config
 
@@ -133,11 +139,39 @@ def inputs(num_tokens: int, dtype: str) -> torch.Tensor:
     return torch.randn(num_tokens, 64, generator=generator).to(getattr(torch, dtype))
 
 
+def external_routing_component(native: Any, comm_type: str) -> ExternalRoutingMoE:
+    """The FFN-side external-routing flow with its single-rank comm (on Ascend: vLLM-Ascend's
+    all-gather / MC2 comm subclasses); MC2 pads every batch to a fixed row count."""
+    return ExternalRoutingMoE(
+        {
+            "ALLGATHER": LocalExternalRoutingComm("ALLGATHER"),
+            "MC2": LocalExternalRoutingComm("MC2", padded_rows=64),
+        },
+        RoutedExpertsApply(native.experts),
+        LocalCommSlot(comm_type, None),
+        layer_name=f"layer {LAYER}",
+    )
+
+
+# FFN side: vLLM's routed-experts path, or the external-routing component CAMP2p uses on
+# Ascend with the gate on Attention (under each comm type the native selector may pick).
+FFN_SIDES = {
+    "CAMP2pAFDConnector": [None],
+    "CAMP2pAFDConnector-gate": [None, "ALLGATHER", "MC2"],
+    "CAMAsyncAFDConnector-gate": [None],
+}
+CASES = [
+    pytest.param(path, ffn_side, id=f"{path_id(path)}-ffn_{ffn_side or 'vllm'}")
+    for path in PATHS
+    for ffn_side in FFN_SIDES[path[0] + ("-gate" if path[1] else "")]
+]
+
+
 @pytest.mark.parametrize("num_tokens", [1, 13, 40])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("path", PATHS, ids=path_id)
+@pytest.mark.parametrize(("path", "ffn_side"), CASES)
 def test_split_over_cam_equals_native_and_top_k_reaches_the_operator_unchanged(
-    blocks: Blocks, path: tuple[str, bool], dtype: str, num_tokens: int
+    blocks: Blocks, path: tuple[str, bool], ffn_side: str | None, dtype: str, num_tokens: int
 ) -> None:
     connector, gate = path
     native, _ = blocks.native(dtype)
@@ -146,10 +180,21 @@ def test_split_over_cam_equals_native_and_top_k_reaches_the_operator_unchanged(
         afd_config(AFDRole.FFN, connector, gate), platform="npu"
     )
     assert on_attention is gate
+    external: dict[int, Any] | None = None
+    component_calls: list[int] = []
+    if ffn_side is not None:
+        component = external_routing_component(native, ffn_side)
+
+        def counted(hidden: torch.Tensor, routing: Any) -> torch.Tensor:
+            component_calls.append(int(hidden.shape[0]))
+            return component(hidden, routing)
+
+        external = {LAYER: counted}
     compute = FFNLayerCompute(
         {LAYER: native},
         vllm_config=blocks.env.vllm_config,
         shared_experts_on_attention=on_attention,
+        external_routing=external,
     )
     x = inputs(num_tokens, dtype)
     fabric = FakeCAMFabric()
@@ -163,6 +208,9 @@ def test_split_over_cam_equals_native_and_top_k_reaches_the_operator_unchanged(
     diff = (actual.float() - expected.float()).abs().max().item()
     assert torch.equal(actual, expected), f"max |split - native| = {diff}"
 
+    if ffn_side is not None:  # the component ran once, and left the comm slot as it was
+        assert component_calls == [num_tokens]
+        assert component.slot.comm_method is None
     (sent,) = fabric.recorded(A2F_OPERATOR[connector], AFDRole.ATTENTION)
     assert torch.equal(sent.message.hidden_states, x)
     if not gate:

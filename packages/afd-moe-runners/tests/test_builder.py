@@ -356,3 +356,65 @@ def torch_mlp() -> Any:
     import torch
 
     return torch.nn.Linear(32, 32, bias=False)
+
+
+@pytest.mark.parametrize(
+    ("platform", "connector", "gate_on_attention"),
+    [
+        ("cpu", "P2pGlooAFDConnector", True),
+        ("cuda", "P2pNcclAFDConnector", True),
+        ("npu", "CAMP2pAFDConnector", False),
+        ("npu", "CAMAsyncAFDConnector", True),
+    ],
+)
+def test_ffn_external_routing_is_only_for_camp2p_with_the_gate_on_attention(
+    platform: str, connector: str, gate_on_attention: bool
+) -> None:
+    from afd_core.config import AFDConfig, AFDRole
+    from afd_moe_runners.builder import ffn_external_routing
+
+    config = AFDConfig(
+        role=AFDRole.FFN, connector=connector, compute_gate_on_attention=gate_on_attention
+    )
+    assert ffn_external_routing(config, {0: object()}, platform=platform) is None
+
+
+def test_ffn_external_routing_builds_one_component_per_moe_layer_on_npu(
+    moe_env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from afd_core.config import AFDConfig, AFDRole
+    from afd_moe_runners.builder import ffn_external_routing
+    from afd_moe_runners.npu import ascend
+
+    moe = moe_env.build_block("deepseek", torch.float32, prefix="ffn_ext.layers.5.mlp")
+    dense = torch.nn.Linear(4, 4)
+    seen: list[dict[int, Any]] = []
+
+    def fake_layers(runners: dict[int, Any]) -> dict[int, str]:  # vLLM-Ascend stand-in
+        seen.append(dict(runners))
+        return {idx: f"component {idx}" for idx, r in runners.items() if r is not None}
+
+    monkeypatch.setattr(ascend, "ascend_external_routing_layers", fake_layers)
+    config = AFDConfig(
+        role=AFDRole.FFN, connector="CAMP2pAFDConnector", compute_gate_on_attention=True
+    )
+    result = ffn_external_routing(config, {5: moe, 0: dense}, platform="npu")
+    assert result == {5: "component 5"}
+    assert seen == [{5: moe.experts, 0: None}]
+
+
+def test_ffn_external_routing_without_vllm_ascend_names_the_fix() -> None:
+    import importlib.util
+
+    from afd_core.config import AFDConfig, AFDRole
+    from afd_moe_runners.builder import ffn_external_routing
+
+    if importlib.util.find_spec("vllm_ascend") is not None:
+        pytest.skip("vllm_ascend is installed here")
+    config = AFDConfig(
+        role=AFDRole.FFN, connector="CAMP2pAFDConnector", compute_gate_on_attention=True
+    )
+    with pytest.raises(ImportError, match=r"install vllm-ascend for vLLM 0\.32"):
+        ffn_external_routing(config, {}, platform="npu")

@@ -60,7 +60,7 @@ class AFDWorkerExtension:
         from vllm.config import set_current_vllm_config
 
         from afd_core.registry import create_connector
-        from afd_moe_runners.builder import shared_experts_on_attention
+        from afd_moe_runners.builder import ffn_external_routing, shared_experts_on_attention
         from afd_moe_runners.ffn_compute import FFNLayerCompute
 
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
@@ -69,11 +69,14 @@ class AFDWorkerExtension:
         model = self._afd_model()
         stats = ServeStats()
         with set_current_vllm_config(vllm_config):
+            blocks = model.afd_ffn_blocks()
             compute = FFNLayerCompute(
-                model.afd_ffn_blocks(),
+                blocks,
                 vllm_config=vllm_config,
-                # Ascend with the gate on Attention: that role adds the shared experts.
+                # Ascend with the gate on Attention: that role adds the shared experts,
+                # and (CAMP2p) the received top-k runs through vLLM-Ascend's comm flow.
                 shared_experts_on_attention=shared_experts_on_attention(afd),
+                external_routing=ffn_external_routing(afd, blocks),
             )
             connector = create_connector(afd, rank=rank)
             self._afd_connector = connector

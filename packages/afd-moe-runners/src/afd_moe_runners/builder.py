@@ -45,6 +45,7 @@ __all__ = [
     "afd_moe_factory",
     "current_platform_name",
     "shared_experts_on_attention",
+    "ffn_external_routing",
     "NPU_SYNC_CONNECTOR",
     "NPU_ASYNC_CONNECTOR",
 ]
@@ -105,6 +106,29 @@ def shared_experts_on_attention(afd_config: AFDConfig, *, platform: str | None =
         return False
     platform = platform if platform is not None else current_platform_name()
     return _uses_npu_runners(platform, afd_config.connector)
+
+
+def ffn_external_routing(
+    afd_config: AFDConfig, layers: Mapping[int, Any], *, platform: str | None = None
+) -> dict[int, Any] | None:
+    """The FFN role's per-layer external-routing components, or None where not needed.
+
+    Only Ascend's synchronous CAMP2p with the gate on Attention needs them: there the
+    received top-k goes through vLLM-Ascend's comm framework
+    (:func:`afd_moe_runners.npu.ascend.ascend_external_routing_layers`). ``layers`` maps
+    layer index -> FFN block, as given to ``FFNLayerCompute``.
+    """
+    if not (afd_config.compute_gate_on_attention and afd_config.connector == NPU_SYNC_CONNECTOR):
+        return None
+    platform = platform if platform is not None else current_platform_name()
+    if platform != "npu":
+        return None
+    from afd_moe_runners.ffn_compute import find_moe_runner
+    from afd_moe_runners.npu.ascend import ascend_external_routing_layers
+
+    return ascend_external_routing_layers(
+        {idx: find_moe_runner(block) for idx, block in layers.items()}
+    )
 
 
 def _npu_runner_kwargs(

@@ -26,7 +26,7 @@ reduced over the FFN role's tensor-parallel ranks here, once.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from afd_core.connector import AFDConnector, FFNBatch
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.transfer import AttentionToFFN, FFNToAttention, PayloadKind
 from afd_moe_runners._vllm_compat import check_vllm_version
+from afd_moe_runners.npu.external_routing import ExternalRouting
 
 check_vllm_version()
 
@@ -176,6 +177,12 @@ class FFNLayerCompute:
     ``afd_moe_runners.builder.shared_experts_on_attention``); routing payloads then get
     the routed output alone, so the shared term is never added by both roles, and a
     hidden-only payload (which would need the whole block here) is refused.
+
+    ``external_routing`` maps a layer index to the callable that computes its routed
+    experts from a top-k payload (``(hidden, ExternalRouting) -> routed output``), in
+    place of vLLM's routed-experts path: on Ascend an
+    :class:`~afd_moe_runners.npu.external_routing.ExternalRoutingMoE` (see
+    :func:`afd_moe_runners.builder.ffn_external_routing`).
     """
 
     def __init__(
@@ -184,8 +191,11 @@ class FFNLayerCompute:
         *,
         vllm_config: VllmConfig | None = None,
         shared_experts_on_attention: bool = False,
+        external_routing: Mapping[int, Callable[[torch.Tensor, ExternalRouting], torch.Tensor]]
+        | None = None,
     ) -> None:
         self.layers = dict(layers)
+        self.external_routing = dict(external_routing or {})
         self.runners = {idx: find_moe_runner(block) for idx, block in self.layers.items()}
         self.vllm_config = vllm_config if vllm_config is not None else get_current_vllm_config()
         self.shared_experts_on_attention = shared_experts_on_attention
@@ -233,7 +243,14 @@ class FFNLayerCompute:
                     f"({type(block).__name__}); the roles disagree on which layers are MoE"
                 )
             with self._forward_context(hidden.shape[0]):
-                routed = routed_experts_output(runner, payload)
+                external = self.external_routing.get(layer_idx)
+                if external is not None and kind is PayloadKind.HIDDEN_TOPK:
+                    assert isinstance(payload.topk_ids, torch.Tensor)
+                    assert isinstance(payload.topk_weights, torch.Tensor)
+                    routing = ExternalRouting(payload.topk_ids, payload.topk_weights)
+                    routed = external(hidden, routing)
+                else:
+                    routed = routed_experts_output(runner, payload)
                 if self.shared_experts_on_attention:
                     return FFNToAttention(routed)
                 return FFNToAttention(routed, shared_output=shared_experts_output(runner, hidden))

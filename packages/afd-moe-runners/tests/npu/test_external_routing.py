@@ -21,6 +21,7 @@ from afd_moe_runners.npu.external_routing import (
     ExternalRoutingMoE,
     LocalCommSlot,
     LocalExternalRoutingComm,
+    RoutedExpertsApply,
     pack_routing,
     prepare_external_with,
     unpack_routing,
@@ -357,25 +358,6 @@ def test_npu_package_import_is_light() -> None:
 
 
 # -- with vLLM's routed experts --------------------------------------------------------
-class VllmRoutedExpertsApply:
-    """vLLM's own routed experts (``forward_modular``) behind the ``ExpertsApply`` seam."""
-
-    def __init__(self, runner: Any) -> None:
-        self.runner = runner
-
-    def apply(self, prepared: Any, routing: ExternalRouting) -> torch.Tensor:
-        experts = self.runner.routed_experts
-        experts._ensure_moe_quant_config_init()
-        return experts.forward_modular(
-            x=prepared.hidden_states,
-            topk_weights=routing.topk_weights,
-            topk_ids=routing.topk_ids,
-        )
-
-    def release(self) -> None:
-        pass
-
-
 @pytest.mark.vllm
 @pytest.mark.parametrize("comm_type", ["ALLGATHER", "MC2"])
 def test_vllm_routed_experts_through_the_component_equal_the_ffn_routed_output(
@@ -404,7 +386,7 @@ def test_vllm_routed_experts_through_the_component_equal_the_ffn_routed_output(
                 "ALLGATHER": LocalExternalRoutingComm("ALLGATHER"),
                 "MC2": LocalExternalRoutingComm("MC2", padded_rows=16),
             },
-            VllmRoutedExpertsApply(runner),
+            RoutedExpertsApply(runner),
             LocalCommSlot(comm_type, None),
         )
         actual = moe(x.clone(), routing)

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         LocalCommSlot,
         LocalExternalRoutingComm,
         LocalPrepareAndFinalize,
+        RoutedExpertsApply,
     )
     from afd_moe_runners.npu.runners import compose_runner, npu_runner_classes
 
@@ -67,6 +68,7 @@ _EXPORTS: dict[str, str] = {
     "LocalPrepareAndFinalize": "external_routing",
     "LocalExternalRoutingComm": "external_routing",
     "LocalCommSlot": "external_routing",
+    "RoutedExpertsApply": "external_routing",
     "AFDPrepareAndFinalizeWithAllGather": "ascend",
     "AFDPrepareAndFinalizeWithMC2": "ascend",
     "AFDAllGatherCommImpl": "ascend",
@@ -103,6 +105,7 @@ __all__ = [
     "LocalPrepareAndFinalize",
     "LocalExternalRoutingComm",
     "LocalCommSlot",
+    "RoutedExpertsApply",
     "AFDPrepareAndFinalizeWithAllGather",
     "AFDPrepareAndFinalizeWithMC2",
     "AFDAllGatherCommImpl",

@@ -27,7 +27,7 @@ Upstream members used and the revisions read: :mod:`afd_moe_runners.npu._ascend_
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ __all__ = [
     "AscendCommSlot",
     "AscendExpertsApply",
     "build_ascend_external_routing_moe",
+    "ascend_external_routing_layers",
 ]
 
 _LAZY_CLASSES = {
@@ -231,3 +232,15 @@ def build_ascend_external_routing_moe(
         reduce_results=reduce_results,
         layer_name=f"FFN-role MoE layer {routed_experts.layer_name!r}",
     )
+
+
+def ascend_external_routing_layers(
+    runners: Mapping[int, Any | None], *, reduce_results: bool = True
+) -> dict[int, ExternalRoutingMoE]:
+    """One :func:`build_ascend_external_routing_moe` per MoE layer (``None``: dense layer)."""
+    require_vllm_ascend("the FFN role's external routing (CAMP2p, gate on Attention)")
+    return {
+        idx: build_ascend_external_routing_moe(runner.routed_experts, reduce_results=reduce_results)
+        for idx, runner in runners.items()
+        if runner is not None
+    }

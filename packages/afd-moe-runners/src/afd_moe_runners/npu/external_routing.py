@@ -49,6 +49,7 @@ __all__ = [
     "LocalPrepareAndFinalize",
     "LocalExternalRoutingComm",
     "LocalCommSlot",
+    "RoutedExpertsApply",
     "pack_routing",
     "unpack_routing",
     "prepare_external_with",
@@ -396,3 +397,29 @@ class LocalCommSlot:
 
     comm_type: Hashable | None = None
     comm_method: Any = None
+
+
+class RoutedExpertsApply:
+    """vLLM's own routed experts (``RoutedExperts.forward_modular``) behind :class:`ExpertsApply`.
+
+    The expert step of the single-rank flow off Ascend (on Ascend:
+    ``afd_moe_runners.npu.ascend.AscendExpertsApply``). Sets no per-token state.
+    """
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+
+    def apply(self, prepared: Any, routing: ExternalRouting) -> torch.Tensor:
+        experts = self.runner.routed_experts
+        # Private in vLLM 0.32 (see afd_moe_runners._vllm_compat), as in ffn_compute.
+        experts._ensure_moe_quant_config_init()
+        out = experts.forward_modular(
+            x=prepared.hidden_states,
+            topk_weights=routing.topk_weights,
+            topk_ids=routing.topk_ids,
+        )
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def release(self) -> None:
+        return None
