@@ -73,12 +73,13 @@ def test_the_dispatch_check_catches_a_connector_that_swaps_ids_and_weights(cam_d
 
 
 def test_send_to_ffn_returns_before_the_dispatch_is_delivered(cam_deployment) -> None:
-    fabric = FakeCAMFabric(dispatch_latency_s=0.5)
+    # Generous margins: the bound must hold on a loaded 2-core CI machine too.
+    fabric = FakeCAMFabric(dispatch_latency_s=2.0)
     _, ranks = cam_deployment(CAMAsyncAFDConnector, fabric=fabric, **GATE)
     att, ffn = ranks[("attention", 0)], ranks[("ffn", 0)]
     start = time.monotonic()
     att.send_to_ffn(_routed(0, 0, 2), layer_idx=0)
-    assert time.monotonic() - start < 0.25
+    assert time.monotonic() - start < 1.0
     assert att.pending_dispatches() == 1
     batch = ffn.recv_from_attention(timeout_s=5.0)
     ffn.send_to_attention(batch, FFNToAttention(batch.payload.hidden_states))
