@@ -327,53 +327,16 @@ class CAMThreadHarness:
     ) -> dict[tuple[str, int], Any]:
         """Run ``body(connector, RankContext)`` on every rank; exceptions are returned."""
         from afd_core.testing.conformance import RankContext
+        from afd_core.testing.threads import run_rank_threads
 
         fabric = self.last_fabric = FakeCAMFabric(dispatch_latency_s=self.dispatch_latency_s)
         configs = configs or self.configs(topology, overrides)
-        results: dict[tuple[str, int], Any] = {}
-        connectors: dict[RankKey, AFDConnector] = {}
-        lock = threading.Lock()
-
-        def worker(key: RankKey, config: AFDConfig) -> None:
-            role, rank = key
-            conn: AFDConnector | None = None
-            try:
-                conn = self.connector_cls(config, rank=rank, ops_factory=fabric.ops_factory)  # type: ignore[call-arg]
-                with lock:
-                    connectors[key] = conn
-                conn.init()
-                value: Any = body(conn, RankContext(role, rank, topology))
-            except BaseException as exc:  # returned, not raised (harness contract)
-                value = exc
-            finally:
-                if conn is not None:
-                    conn.close()
-            results[(role.value, rank)] = value
-
-        threads = [
-            threading.Thread(
-                target=worker, args=(k, c), name=f"fake-cam-{k[0].value}-{k[1]}", daemon=True
-            )
-            for k, c in configs.items()
-        ]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + self.run_timeout_s
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in threads):
-            with lock:
-                stuck = list(connectors.values())
-            for conn in stuck:
-                conn.close()
-            grace = time.monotonic() + 5.0
-            for t in threads:
-                t.join(max(0.0, grace - time.monotonic()))
-        for role, rank in configs:
-            results.setdefault(
-                (role.value, rank),
-                AFDTimeoutError(
-                    f"{role.value} rank {rank} did not finish within {self.run_timeout_s:g} s"
-                ),
-            )
-        return results
+        return run_rank_threads(
+            configs,
+            lambda key: self.connector_cls(  # type: ignore[call-arg]
+                configs[key], rank=key[1], ops_factory=fabric.ops_factory
+            ),
+            lambda conn, role, rank: body(conn, RankContext(role, rank, topology)),
+            run_timeout_s=self.run_timeout_s,
+            thread_prefix="fake-cam",
+        )

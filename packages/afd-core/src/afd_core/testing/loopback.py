@@ -350,46 +350,13 @@ class LoopbackHarness:
         body: Callable[[AFDConnector, AFDRole, int], Any],
         overrides: Mapping[str, Any] | None = None,
     ) -> dict[tuple[str, int], Any]:
+        from afd_core.testing.threads import run_rank_threads
+
         configs = self.configs(topology, overrides)
-        connectors = {k: self.connector_cls(c, rank=k[1]) for k, c in configs.items()}
-        results: dict[tuple[str, int], Any] = {}
-        barrier = threading.Barrier(len(connectors))
-
-        def worker(key: tuple[AFDRole, int], conn: AFDConnector) -> None:
-            role, rank = key
-            try:
-                conn.init()
-                barrier.wait(timeout=self.run_timeout_s)
-                results[(role.value, rank)] = body(conn, role, rank)
-            except BaseException as exc:  # returned, not raised (harness contract)
-                barrier.abort()
-                results[(role.value, rank)] = exc
-            finally:
-                conn.close()
-
-        threads = [
-            threading.Thread(
-                target=worker, args=(k, c), name=f"afd-{k[0].value}-{k[1]}", daemon=True
-            )
-            for k, c in connectors.items()
-        ]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + self.run_timeout_s
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        hung = [t.name for t in threads if t.is_alive()]
-        if hung:
-            for conn in connectors.values():
-                conn.close()
-            grace = time.monotonic() + 5.0
-            for t in threads:
-                t.join(max(0.0, grace - time.monotonic()))
-        for role, rank in connectors:
-            results.setdefault(
-                (role.value, rank),
-                AFDTimeoutError(
-                    f"{role.value} rank {rank} did not finish within {self.run_timeout_s:g} s"
-                ),
-            )
-        return results
+        return run_rank_threads(
+            configs,
+            lambda key: self.connector_cls(configs[key], rank=key[1]),
+            body,
+            run_timeout_s=self.run_timeout_s,
+            barrier_after_init=True,
+        )
