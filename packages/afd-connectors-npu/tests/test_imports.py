@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import tomllib
@@ -31,7 +32,7 @@ def _imported_after(code: str) -> list[str]:
     )
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    return eval(out.stdout.strip().splitlines()[-1])  # a printed list of str
+    return list(ast.literal_eval(out.stdout.strip().splitlines()[-1]))
 
 
 def test_importing_the_package_imports_no_torch_and_no_ascend_library() -> None:
