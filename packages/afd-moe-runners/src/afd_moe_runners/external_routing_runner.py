@@ -26,19 +26,18 @@ from vllm.distributed import tensor_model_parallel_all_reduce
 from vllm.model_executor.layers.fused_moe.router.zero_expert_router import ZeroExpertRouter
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
-from vllm.model_executor.models.utils import extract_layer_index
 
 from afd_core.config import RoutingPayload
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.transfer import AttentionToFFN
-from afd_moe_runners.exchange import MicroBatchYield, no_yield, send_to_ffn
+from afd_moe_runners.exchange import MicroBatchYield, send_to_ffn
 from afd_moe_runners.remote_experts import check_attention_moe_layer, require_remote_experts
-from afd_moe_runners.remote_runner import reject_unsupported_inputs
+from afd_moe_runners.remote_runner import AttentionRunnerForward, reject_unsupported_inputs
 
 __all__ = ["ExternalRoutingForward", "ExternalRoutingRunner"]
 
 
-class ExternalRoutingForward:
+class ExternalRoutingForward(AttentionRunnerForward):
     """Gate-on-Attention behaviour, independent of the runner base class.
 
     Mixed in before a ``MoERunner`` subclass: vLLM's own (:class:`ExternalRoutingRunner`)
@@ -47,7 +46,6 @@ class ExternalRoutingForward:
     ``shared_experts``, ``moe_config``, ``_maybe_apply_routed_scale_to_output``).
     """
 
-    layer_name: str
     gate: torch.nn.Module | None
     router: Any
     moe_config: Any
@@ -110,14 +108,7 @@ class ExternalRoutingForward:
             routed_scaling_factor=routed_scaling_factor,
         )
         self.routing_payload = RoutingPayload(routing_payload)
-        self.afd_layer_idx = extract_layer_index(layer_name)
-        self.micro_batch_yield: MicroBatchYield = micro_batch_yield or no_yield
-
-    @property
-    def is_internal_router(self) -> bool:
-        # The runner applies the gate itself (vLLM 0.32 never reads this property;
-        # vLLM-Ascend's model code does).
-        return True
+        self._init_exchange(layer_name, micro_batch_yield)
 
     def route(self, hidden_states: torch.Tensor) -> AttentionToFFN:
         """Apply the native gate (and router, for top-k payloads): the A->F payload."""

@@ -27,7 +27,12 @@ from afd_core.transfer import AttentionToFFN
 from afd_moe_runners.exchange import MicroBatchYield, no_yield, send_to_ffn
 from afd_moe_runners.remote_experts import check_attention_moe_layer, require_remote_experts
 
-__all__ = ["RemoteExpertsForward", "RemoteExpertsRunner", "reject_unsupported_inputs"]
+__all__ = [
+    "AttentionRunnerForward",
+    "RemoteExpertsForward",
+    "RemoteExpertsRunner",
+    "reject_unsupported_inputs",
+]
 
 
 def reject_unsupported_inputs(
@@ -45,7 +50,25 @@ def reject_unsupported_inputs(
         )
 
 
-class RemoteExpertsForward:
+class AttentionRunnerForward:
+    """What every Attention-role AFD forward sets up: the layer index, the yield hook, and
+    ``is_internal_router`` (the runner applies the gate itself, or the FFN role does)."""
+
+    layer_name: str
+
+    def _init_exchange(self, layer_name: str, micro_batch_yield: MicroBatchYield | None) -> None:
+        self.afd_layer_idx = extract_layer_index(layer_name)
+        self.micro_batch_yield: MicroBatchYield = micro_batch_yield or no_yield
+
+    @property
+    def is_internal_router(self) -> bool:
+        # vLLM 0.32 never reads this; vLLM-Ascend's model code does, and must not call
+        # a gate outside the runner (there is none on the Attention role with the gate on
+        # FFN; with the gate on Attention the runner applies it).
+        return True
+
+
+class RemoteExpertsForward(AttentionRunnerForward):
     """Gate-on-FFN behaviour, independent of the runner base class.
 
     Mixed in before a ``MoERunner`` subclass: vLLM's own (:class:`RemoteExpertsRunner`)
@@ -53,8 +76,6 @@ class RemoteExpertsForward:
     calls the base's ``__init__`` with the keyword arguments every ``MoERunner``
     accepts, so the concrete classes differ by their base class alone.
     """
-
-    layer_name: str
 
     def __init__(
         self,
@@ -85,14 +106,7 @@ class RemoteExpertsForward:
             routed_experts=routed_experts,
             enable_dbo=enable_dbo,
         )
-        self.afd_layer_idx = extract_layer_index(layer_name)
-        self.micro_batch_yield: MicroBatchYield = micro_batch_yield or no_yield
-
-    @property
-    def is_internal_router(self) -> bool:
-        # vLLM 0.32 never reads this; vLLM-Ascend's model code does, and must not call
-        # a local gate the Attention role does not hold.
-        return True
+        self._init_exchange(layer_name, micro_batch_yield)
 
     def forward(
         self,
