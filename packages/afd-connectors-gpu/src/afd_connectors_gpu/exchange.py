@@ -255,7 +255,7 @@ class ExchangeConnector(AFDConnector):
     def init(self) -> None:
         with self._init_lock:
             if self._closed:
-                raise AFDConnectorClosedError(f"{self._me}: init() after close()")
+                raise AFDConnectorClosedError(f"{self.label}: init() after close()")
             if self._link() is not None:
                 return
             self._join()
@@ -292,7 +292,7 @@ class ExchangeConnector(AFDConnector):
             key = (layer_idx, micro_batch_idx)
             if key in self._sent:
                 raise AFDTransferMismatchError(
-                    f"{self._me}: send_to_ffn(layer_idx={layer_idx}, micro_batch_idx="
+                    f"{self.label}: send_to_ffn(layer_idx={layer_idx}, micro_batch_idx="
                     f"{micro_batch_idx}) again before recv_from_ffn received the first one"
                 )
             header = payload.header(layer_idx, micro_batch_idx)
@@ -331,13 +331,13 @@ class ExchangeConnector(AFDConnector):
             self._skip_message(link, peer, 0, (), deadline, timeout, action, micro_batch_idx)
             self._broken[peer] = "it closed"
             raise AFDPeerLostError(
-                f"{self._describe(peer)} closed while {self._me} waited for layer "
+                f"{self._describe(peer)} closed while {self.label} waited for layer "
                 f"{layer_idx} micro-batch {micro_batch_idx}"
             )
         if header.kind not in _F2A_KINDS:
             self._broken[peer] = "stream out of step after a mismatch"
             raise AFDTransferMismatchError(
-                f"{self._me} <- {self._describe(peer)}: expected an FFN->attention message, "
+                f"{self.label} <- {self._describe(peer)}: expected an FFN->attention message, "
                 f"received kind {header.kind.name}"
             )
         problem: AFDTransferMismatchError | None = None
@@ -366,7 +366,7 @@ class ExchangeConnector(AFDConnector):
         self._reap_sends()
         if problem is not None:
             raise AFDTransferMismatchError(
-                f"{self._me} <- {self._describe(peer)}: recv_from_ffn(layer_idx={layer_idx}, "
+                f"{self.label} <- {self._describe(peer)}: recv_from_ffn(layer_idx={layer_idx}, "
                 f"micro_batch_idx={micro_batch_idx}) but the next message is for layer "
                 f"{header.layer_idx} micro-batch {header.micro_batch_idx} "
                 f"({header.num_tokens} tokens); {problem}. The FFN side answers in the "
@@ -385,7 +385,7 @@ class ExchangeConnector(AFDConnector):
     def _recv_from_attention(self, link: Any, timeout_s: float | None) -> FFNBatch:
         if not self._peers:
             raise AFDConfigError(
-                f"{self._me} serves no attention rank in topology {self.topology.label} "
+                f"{self.label} serves no attention rank in topology {self.topology.label} "
                 f"(idle FFN ranks: {list(self.topology.idle_ffn_ranks)}); an idle rank must "
                 "not call recv_from_attention"
             )
@@ -401,13 +401,13 @@ class ExchangeConnector(AFDConnector):
                 self._skip_message(link, peer, 0, (), deadline, timeout, action, 0)
                 self._broken[peer] = "it closed"
                 raise AFDPeerLostError(
-                    f"{self._describe(peer)} closed (sent SHUTDOWN) while {self._me} waited "
+                    f"{self._describe(peer)} closed (sent SHUTDOWN) while {self.label} waited "
                     "for the next layer"
                 )
             if kind not in _A2F_KINDS:
                 self._broken[peer] = "stream out of step after a mismatch"
                 raise AFDTransferMismatchError(
-                    f"{self._me} <- {self._describe(peer)}: expected an attention->FFN "
+                    f"{self.label} <- {self._describe(peer)}: expected an attention->FFN "
                     f"message, received kind {kind.name}"
                 )
             frames.append(frame)
@@ -418,7 +418,7 @@ class ExchangeConnector(AFDConnector):
                 for p in self._peers:
                     self._broken[p] = "attention peers out of step"
                 raise AFDTransferMismatchError(
-                    f"{self._me}: attention peers disagree on the layer being sent: "
+                    f"{self.label}: attention peers disagree on the layer being sent: "
                     f"{self._describe(self._peers[0])} sent "
                     f"{_describe_header(first.header, first.aux_dtype)}, "
                     f"{self._describe(peer)} sent {_describe_header(frame.header, frame.aux_dtype)}"
@@ -447,7 +447,7 @@ class ExchangeConnector(AFDConnector):
     def send_to_attention(self, batch: FFNBatch, result: FFNToAttention) -> None:
         link = self._enter(AFDRole.FFN, "send_to_attention")
         try:
-            answers = batch.answers(result, serving=self._peer_role_ranks, who=self._me)
+            answers = batch.answers(result, serving=self._peer_role_ranks, who=self.label)
             deadline, timeout = self._deadline(None)
             messages = self._messages(batch, answers, result.shared_output)
             self._send_messages(link, messages, deadline, timeout, batch.micro_batch_idx)
@@ -469,10 +469,6 @@ class ExchangeConnector(AFDConnector):
 
     # -- shared plumbing ---------------------------------------------------------------
     @property
-    def _me(self) -> str:
-        return f"{type(self).__name__}({self.role.value} rank {self.rank})"
-
-    @property
     def _where(self) -> str:
         return f"{self.config.host}:{self.config.port}"
 
@@ -486,15 +482,11 @@ class ExchangeConnector(AFDConnector):
         """
         with self._state_lock:
             if self._closed:
-                raise AFDConnectorClosedError(f"{self._me}: {method}() after close()")
-            if self.role is not role:
-                raise AFDConfigError(
-                    f"{self._me}: {method}() is a {role.value}-side call; this connector was "
-                    f"created for the {self.role.value} role"
-                )
+                raise AFDConnectorClosedError(f"{self.label}: {method}() after close()")
+            self.check_side(role, method)
             link = self._link()
             if link is None:
-                raise AFDConnectorError(f"{self._me}: {method}() before init()")
+                raise AFDConnectorError(f"{self.label}: {method}() before init()")
             self._active += 1
         return link
 
@@ -506,7 +498,7 @@ class ExchangeConnector(AFDConnector):
         reason = self._broken.get(peer)
         if reason is not None:
             raise AFDPeerLostError(
-                f"{self._me}: the connection to {self._describe(peer)} is gone ({reason}); "
+                f"{self.label}: the connection to {self._describe(peer)} is gone ({reason}); "
                 "create a new connector"
             )
 
@@ -520,21 +512,23 @@ class ExchangeConnector(AFDConnector):
             return Frame.decode(list(words))
         except AFDTransferMismatchError as exc:
             self._broken[peer] = "garbled frame"
-            raise AFDTransferMismatchError(f"{self._me} <- {self._describe(peer)}: {exc}") from None
+            raise AFDTransferMismatchError(
+                f"{self.label} <- {self._describe(peer)}: {exc}"
+            ) from None
 
     def _closed_error(self, peer: int, action: str) -> AFDConnectorClosedError:
         return AFDConnectorClosedError(
-            f"{self._me} was closed while {action} {self._describe(peer)}"
+            f"{self.label} was closed while {action} {self._describe(peer)}"
         )
 
     def _timeout_error(
         self, peer: int, timeout: float, action: str, note: str = ""
     ) -> AFDTimeoutError:
         return AFDTimeoutError(
-            f"{self._me}: {action} {self._describe(peer)} timed out after {timeout:g} s "
+            f"{self.label}: {action} {self._describe(peer)} timed out after {timeout:g} s "
             f"(timeout_s argument or afd.transfer_timeout_s){note}"
         )
 
     def _gone_error(self, peer: int, action: str, detail: str = "") -> AFDPeerLostError:
-        text = f"{self._me}: {self._describe(peer)} is gone while {action} it"
+        text = f"{self.label}: {self._describe(peer)} is gone while {action} it"
         return AFDPeerLostError(f"{text}: {detail}" if detail else text)

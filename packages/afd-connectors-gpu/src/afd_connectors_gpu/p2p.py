@@ -81,7 +81,7 @@ class P2pAFDConnector(ExchangeConnector):
         )
         self._after_join(group)
         self._group = group
-        logger.debug("%s joined the data plane at %s", self._me, self._where)
+        logger.debug("%s joined the data plane at %s", self.label, self._where)
 
     def _shutdown(self) -> None:
         group = self._group
@@ -118,7 +118,7 @@ class P2pAFDConnector(ExchangeConnector):
                 try:
                     group.nccl.abort()
                 except RuntimeError:
-                    logger.debug("%s: NCCL abort failed", self._me, exc_info=True)
+                    logger.debug("%s: NCCL abort failed", self.label, exc_info=True)
         finally:
             self._sentinels.clear()
             self._pending_sends.clear()
@@ -342,7 +342,7 @@ class P2pNcclAFDConnector(P2pAFDConnector):
         """The power-of-two bucket that carries ``num_tokens`` rows."""
         if num_tokens > self.max_num_tokens:
             raise AFDTransferMismatchError(
-                f"{self._me}: {num_tokens} tokens exceed max_num_tokens={self.max_num_tokens}; "
+                f"{self.label}: {num_tokens} tokens exceed max_num_tokens={self.max_num_tokens}; "
                 "raise connector_extra_config['max_num_tokens']"
             )
         return 1 << max(num_tokens - 1, 0).bit_length()
@@ -356,7 +356,7 @@ class P2pNcclAFDConnector(P2pAFDConnector):
 
         if not torch.cuda.is_available():
             raise AFDConfigError(
-                f"{self._me}: requires CUDA (torch.cuda.is_available() is False); "
+                f"{self.label}: requires CUDA (torch.cuda.is_available() is False); "
                 "use P2pGlooAFDConnector on CPU"
             )
         index = self.extra_config["device"]

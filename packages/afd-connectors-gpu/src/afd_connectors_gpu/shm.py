@@ -304,7 +304,7 @@ class P2pShmAFDConnector(ExchangeConnector):
             self._release_rings()
             raise
         self._ready = True
-        logger.debug("%s joined the shared-memory data plane at %s", self._me, self._where)
+        logger.debug("%s joined the shared-memory data plane at %s", self.label, self._where)
 
     def _join_rings(self) -> None:
         topo = self.topology
@@ -343,14 +343,14 @@ class P2pShmAFDConnector(ExchangeConnector):
             info = json.loads(s.get(f"info/{peer}"))
             if info["host"] != host:
                 raise AFDConfigError(
-                    f"{self._me}: {self._describe(peer)} runs on host {info['host']!r}, this "
+                    f"{self.label}: {self._describe(peer)} runs on host {info['host']!r}, this "
                     f"rank on {host!r}; {self.name} only connects ranks of one host (use "
                     "P2pGlooAFDConnector across hosts)"
                 )
             start = _process_start(int(info["pid"]))
             if start is None or (info["start"] and start != info["start"]):
                 raise AFDConfigError(
-                    f"{self._me}: process {info['pid']} of {self._describe(peer)} is not "
+                    f"{self.label}: process {info['pid']} of {self._describe(peer)} is not "
                     f"visible here; {self.name} needs every rank in one pid namespace and "
                     "one /dev/shm (same host and container, or --pid=host --ipc=host)"
                 )
@@ -360,7 +360,7 @@ class P2pShmAFDConnector(ExchangeConnector):
                 self._in[peer] = _Ring.attach(spec["name"], spec["slots"], spec["bytes"])
             except FileNotFoundError:
                 raise AFDConfigError(
-                    f"{self._me}: shared-memory ring {spec['name']} of {self._describe(peer)} "
+                    f"{self.label}: shared-memory ring {spec['name']} of {self._describe(peer)} "
                     "does not exist here; every rank must share one /dev/shm"
                 ) from None
         where = self._where
@@ -394,7 +394,7 @@ class P2pShmAFDConnector(ExchangeConnector):
         free = st.f_bavail * st.f_frsize
         if need > free:
             raise AFDConfigError(
-                f"{self._me}: its rings need up to {need / 2**20:.0f} MiB of /dev/shm, only "
+                f"{self.label}: its rings need up to {need / 2**20:.0f} MiB of /dev/shm, only "
                 f"{free / 2**20:.0f} MiB are free; lower connector_extra_config "
                 "'slot_bytes' (or 'max_num_tokens'/'hidden_size') or 'num_slots'"
             )
@@ -406,7 +406,7 @@ class P2pShmAFDConnector(ExchangeConnector):
         while self._active and time.monotonic() < drain:
             time.sleep(0.0005)
         if self._active:
-            logger.warning("%s: an operation is still running; rings left mapped", self._me)
+            logger.warning("%s: an operation is still running; rings left mapped", self.label)
             return
         peer = self._shutdown_peer()
         if self._ready and peer is not None:
@@ -464,7 +464,8 @@ class P2pShmAFDConnector(ExchangeConnector):
                         return
                     self._broken[peer] = "it closed"
                     raise AFDPeerLostError(
-                        f"{self._me}: {self._describe(peer)} closed its connector while {action} it"
+                        f"{self.label}: {self._describe(peer)} closed its connector while "
+                        f"{action} it"
                     )
                 if self._peer_gone(peer):
                     if ready():
@@ -503,7 +504,7 @@ class P2pShmAFDConnector(ExchangeConnector):
             size += _align(nbytes)
         if size > ring.slot_bytes:
             raise AFDTransferMismatchError(
-                f"{self._me} -> {self._describe(peer)}: a {frame.header.num_tokens}-token "
+                f"{self.label} -> {self._describe(peer)}: a {frame.header.num_tokens}-token "
                 f"message needs {size} bytes, a ring slot holds {ring.slot_bytes}; raise "
                 "connector_extra_config 'slot_bytes' (or set 'max_num_tokens' and "
                 "'hidden_size')"
@@ -617,7 +618,7 @@ class P2pShmAFDConnector(ExchangeConnector):
                     if offsets[i] + nbytes > ring.slot_bytes:
                         self._broken[peer] = "message larger than a slot"
                         raise AFDTransferMismatchError(
-                            f"{self._me} <- {self._describe(peer)}: the frame announces "
+                            f"{self.label} <- {self._describe(peer)}: the frame announces "
                             f"{nbytes} bytes past the end of a {ring.slot_bytes}-byte slot"
                         )
                     dst = (out if n == total else out[row : row + n]).view(-1).view(torch.uint8)

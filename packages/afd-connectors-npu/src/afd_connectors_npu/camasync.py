@@ -59,28 +59,28 @@ class CAMAsyncAFDConnector(CAMConnector):
     def _check_a2f(self, payload: AttentionToFFN) -> None:
         if payload.kind is not PayloadKind.HIDDEN_TOPK:
             raise AFDConfigError(
-                f"{self._me}: send_to_ffn carries only top-k routing (HIDDEN_TOPK), got "
+                f"{self.label}: send_to_ffn carries only top-k routing (HIDDEN_TOPK), got "
                 f"{payload.kind.name}; {_NEEDS}"
             )
 
     def _check_a2f_received(self, meta: A2EMeta) -> None:
         if meta.header.kind is not PayloadKind.HIDDEN_TOPK:
             raise AFDTransferMismatchError(
-                f"{self._me}: dispatch from attention rank {meta.sender} is "
+                f"{self.label}: dispatch from attention rank {meta.sender} is "
                 f"{meta.header.kind.name}, expected HIDDEN_TOPK; {_NEEDS} on both roles"
             )
 
     def _check_f2a(self, result: FFNToAttention) -> None:
         if result.shared_output is not None:
             raise AFDConfigError(
-                f"{self._me}: send_to_attention got a shared_output; with CAMAsync the shared "
+                f"{self.label}: send_to_attention got a shared_output; with CAMAsync the shared "
                 "experts run on the Attention role, send the weighted routed output only"
             )
 
     def _check_f2a_received(self, meta: E2AMeta) -> None:
         if meta.header.kind is not PayloadKind.OUTPUT:
             raise AFDTransferMismatchError(
-                f"{self._me}: combine from ffn rank {meta.sender} is {meta.header.kind.name}, "
+                f"{self.label}: combine from ffn rank {meta.sender} is {meta.header.kind.name}, "
                 "expected OUTPUT (shared experts run on the Attention role with CAMAsync)"
             )
 

@@ -39,7 +39,7 @@ class CAMP2pAFDConnector(CAMConnector):
     def _check_a2f(self, payload: AttentionToFFN) -> None:
         if payload.topk_ids is not None and not self.config.compute_gate_on_attention:
             raise AFDConfigError(
-                f"{self._me}: send_to_ffn got top-k routing but afd.compute_gate_on_attention "
+                f"{self.label}: send_to_ffn got top-k routing but afd.compute_gate_on_attention "
                 "is false (the FFN role runs the gate); set afd.compute_gate_on_attention=true "
                 "on both roles or send hidden states only"
             )

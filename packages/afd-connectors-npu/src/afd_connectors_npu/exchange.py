@@ -145,14 +145,14 @@ class CAMConnector(AFDConnector):
     def init(self) -> None:
         with self._init_lock:
             if self._closed:
-                raise AFDConnectorClosedError(f"{self._me}: init() after close()")
+                raise AFDConnectorClosedError(f"{self.label}: init() after close()")
             if self._ready:
                 return
             ops = self._ops_factory(self.config, self.rank)
             with self._state_lock:
                 if self._was_closed():  # close() may run on another thread meanwhile
                     ops.close()
-                    raise AFDConnectorClosedError(f"{self._me}: closed during init()")
+                    raise AFDConnectorClosedError(f"{self.label}: closed during init()")
                 self._ops = ops
             try:
                 digests = ops.handshake(
@@ -185,7 +185,7 @@ class CAMConnector(AFDConnector):
         key = (layer_idx, micro_batch_idx)
         if key in self._sent:
             raise AFDTransferMismatchError(
-                f"{self._me}: send_to_ffn(layer_idx={layer_idx}, micro_batch_idx="
+                f"{self.label}: send_to_ffn(layer_idx={layer_idx}, micro_batch_idx="
                 f"{micro_batch_idx}) again before recv_from_ffn received the first one"
             )
         self._check_a2f(payload)
@@ -222,7 +222,7 @@ class CAMConnector(AFDConnector):
             )
         except AFDTransferMismatchError as exc:
             raise AFDTransferMismatchError(
-                f"{self._me} <- ffn rank {peer}: recv_from_ffn(layer_idx={layer_idx}, "
+                f"{self.label} <- ffn rank {peer}: recv_from_ffn(layer_idx={layer_idx}, "
                 f"micro_batch_idx={micro_batch_idx}) but the answer is for layer {h.layer_idx} "
                 f"micro-batch {h.micro_batch_idx} ({h.num_tokens} tokens); {exc}"
             ) from None
@@ -236,7 +236,7 @@ class CAMConnector(AFDConnector):
         ops = self._enter(AFDRole.FFN, "recv_from_attention")
         if not self._peers:
             raise AFDConfigError(
-                f"{self._me} serves no attention rank in topology {self.topology.label} "
+                f"{self.label} serves no attention rank in topology {self.topology.label} "
                 f"(idle FFN ranks: {list(self.topology.idle_ffn_ranks)}); an idle rank must "
                 "not call recv_from_attention"
             )
@@ -248,7 +248,7 @@ class CAMConnector(AFDConnector):
             meta, payload = self.codec.decode(self._take_a2f(ops, peer, remaining))
             if meta.sender != peer:
                 raise AFDTransferMismatchError(
-                    f"{self._me}: message from attention rank {peer} says it was sent by "
+                    f"{self.label}: message from attention rank {peer} says it was sent by "
                     f"attention rank {meta.sender}"
                 )
             self._check_a2f_received(meta)
@@ -258,7 +258,7 @@ class CAMConnector(AFDConnector):
         for peer, (meta, _) in zip(self._peers[1:], received[1:], strict=True):
             if _layer_key(meta) != ref:
                 raise AFDTransferMismatchError(
-                    f"{self._me}: attention peers disagree on the layer being sent: attention "
+                    f"{self.label}: attention peers disagree on the layer being sent: attention "
                     f"rank {self._peers[0]} sent {_describe(first)}, attention rank {peer} sent "
                     f"{_describe(meta)}"
                 )
@@ -279,7 +279,7 @@ class CAMConnector(AFDConnector):
 
     def send_to_attention(self, batch: FFNBatch, result: FFNToAttention) -> None:
         ops = self._enter(AFDRole.FFN, "send_to_attention")
-        answers = batch.answers(result, serving=self._peers, who=self._me)
+        answers = batch.answers(result, serving=self._peers, who=self.label)
         self._check_f2a(result)
         for peer, part in answers:
             message = encode_e2a(
@@ -294,21 +294,15 @@ class CAMConnector(AFDConnector):
     def _was_closed(self) -> bool:
         return self._closed
 
-    @property
-    def _me(self) -> str:
-        return f"{type(self).__name__}({self.role.value} rank {self.rank})"
-
     def _enter(self, role: AFDRole, method: str) -> CAMOps:
         with self._state_lock:
             if self._closed:
-                raise AFDConnectorClosedError(f"{self._me}: {method}() after close()")
-            if self.role is not role:
-                raise AFDConfigError(
-                    f"{self._me}: {method}() is a {role.value}-side call; this connector was "
-                    f"created for the {self.role.value} role"
-                )
+                raise AFDConnectorClosedError(f"{self.label}: {method}() after close()")
+            self.check_side(role, method)
             if not self._ready or self._ops is None:
-                raise AFDConnectorError(f"{self._me}: {method}() before init(); call init() first")
+                raise AFDConnectorError(
+                    f"{self.label}: {method}() before init(); call init() first"
+                )
             return self._ops
 
     def _timeout(self, timeout_s: float | None) -> float:

@@ -114,6 +114,19 @@ class AFDConnector(abc.ABC):
     def role(self) -> AFDRole:
         return self.config.role
 
+    @property
+    def label(self) -> str:
+        """``ClassName(role rank N)``: how errors name this connector."""
+        return f"{type(self).__name__}({self.role.value} rank {self.rank})"
+
+    def check_side(self, role: AFDRole, method: str) -> None:
+        """Raise :class:`AFDConfigError` unless this connector was created for ``role``."""
+        if self.role is not role:
+            raise AFDConfigError(
+                f"{self.label}: {method}() is a {role.value}-side call; this connector was "
+                f"created for the {self.role.value} role"
+            )
+
     @classmethod
     def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
         """Check ``connector_extra_config``; the default accepts only an empty mapping."""
