@@ -47,18 +47,25 @@ def native_served(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPat
     return get
 
 
+# An idle deployment must not die: one case runs with a short transfer timeout and sits
+# idle for several times that timeout halfway through its prompts (waiting for the next
+# step is not a transfer and has no deadline; a started step still has one).
+IDLE_TRANSFER_TIMEOUT_S = 4.0
+IDLE_S = 4 * IDLE_TRANSFER_TIMEOUT_S
+
+
 @pytest.mark.parametrize(
-    ("arch", "num_attention", "gate"),
+    ("arch", "num_attention", "gate", "idle"),
     [
-        ("deepseek_v2", 1, "ffn"),
-        ("deepseek_v3", 1, "attention-topk"),
-        ("deepseek_v2", 2, "ffn"),
-        ("deepseek_v3", 2, "attention-topk"),
+        ("deepseek_v2", 1, "ffn", False),
+        ("deepseek_v3", 1, "attention-topk", False),
+        ("deepseek_v2", 2, "ffn", True),
+        ("deepseek_v3", 2, "attention-topk", False),
     ],
     ids=[
         "v2-1A1F-gate_ffn",
         "v3-1A1F-gate_attention",
-        "v2-2A1F-gate_ffn",
+        "v2-2A1F-gate_ffn-idle",
         "v3-2A1F-gate_attention",
     ],
 )
@@ -69,9 +76,15 @@ def test_served_tokens_equal_native_and_sigterm_stops_everything(
     arch: str,
     num_attention: int,
     gate: str,
+    idle: bool,
 ) -> None:
-    afd = afd_settings(gate, num_attention_ranks=num_attention, num_ffn_ranks=1)
-    got, attention_log, ffn_log = run_served_afd(tiny_models[arch], afd, tmp_path, PROMPTS)
+    extra: dict[str, Any] = {"transfer_timeout_s": IDLE_TRANSFER_TIMEOUT_S} if idle else {}
+    afd = afd_settings(gate, num_attention_ranks=num_attention, num_ffn_ranks=1, **extra)
+    got, attention_log, ffn_log = run_served_afd(
+        tiny_models[arch], afd, tmp_path, PROMPTS, idle_s=IDLE_S if idle else 0.0
+    )
+    if idle:
+        assert "timed out" not in ffn_log, ffn_log[-3000:]
     # Both live roles reported what they hold.
     assert_role_inventories(attention_log, ffn_log, gate_on_attention=gate != "ffn")
     assert_same_tokens(got, native_served(arch), PROMPTS, "native vllm serve")

@@ -159,10 +159,14 @@ def test_qwen3_5_moe_1a1f_on_cuda_greedy_tokens_equal_native(
     gate: str,
 ) -> None:
     """The same parity on CUDA with the NCCL connector (``nox -s tests-gpu``), for
-    environments where vLLM's qwen3_5 model file imports (its torchvision dependency)."""
+    environments where vLLM's qwen3_5 model file imports (its torchvision dependency).
+    Needs 2 CUDA devices: Attention on the first, FFN on the second (docs/gpu.md)."""
     torch = pytest.importorskip("torch")
+    need = "requires 2 CUDA devices for 1A1F (NCCL needs one device per rank)"
     if not torch.cuda.is_available():
-        pytest.skip("requires CUDA (torch.cuda.is_available() is False)")
+        pytest.skip(f"{need}; torch.cuda.is_available() is False")
+    if (found := torch.cuda.device_count()) < 2:
+        pytest.skip(f"{need}, found {found}")
     from afd_models_qwen.availability import qwen3_5_import_error
 
     if (blocker := qwen3_5_import_error()) is not None:

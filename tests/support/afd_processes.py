@@ -27,23 +27,40 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def role_env(tmp: Path) -> dict[str, str]:
+def role_env(tmp: Path, devices: str | None = None) -> dict[str, str]:
+    """A role's environment; ``devices``: its ``CUDA_VISIBLE_DEVICES`` (None: unchanged)."""
     from afd.launch import role_tmp_dir
 
     # pytest's tmp paths can be too long for vLLM's IPC socket names.
     env = {**os.environ, "TMPDIR": str(role_tmp_dir(tmp)), "PYTHONUNBUFFERED": "1"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
     return env
+
+
+def role_devices(afd: dict[str, Any] | None, name: str) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` of one role process, by the rule of ``afd launch``
+    (attention ranks first, then FFN ranks; see docs/gpu.md): ``name`` is ``attn`` or
+    ``ffn<rank>``; ``afd=None`` is a native engine (the first device). None on a CPU host.
+    Raises ``afd.launch.DeploymentError`` when the host has too few devices."""
+    from afd.launch import assign_devices, detect_cuda_devices
+
+    visible = detect_cuda_devices()
+    if afd is None:
+        return assign_devices(1, 0, visible).get("attn")
+    ranks = int(afd.get("num_attention_ranks", 1)), int(afd.get("num_ffn_ranks", 1))
+    return assign_devices(*ranks, visible).get(name)
 
 
 class RoleProcess:
     """A command in its own process group with its output captured line by line."""
 
-    def __init__(self, cmd: list[str], tmp: Path) -> None:
+    def __init__(self, cmd: list[str], tmp: Path, devices: str | None = None) -> None:
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=role_env(tmp), start_new_session=True,
+            env=role_env(tmp, devices), start_new_session=True,
         )  # fmt: skip
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -83,7 +100,7 @@ class FFNServer(RoleProcess):
             json.dumps({"afd": afd}),
             *extra,
         ]
-        super().__init__(cmd, tmp)
+        super().__init__(cmd, tmp, role_devices(afd, f"ffn{int(afd.get('rank', 0))}"))
 
     def wait_ready(self, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
@@ -111,12 +128,15 @@ def offline_greedy(
     llm_kwargs: dict[str, Any] | None = None,
     timeout: float = 400,
 ) -> dict[str, Any]:
-    """``python -m afd.reference`` (vllm.LLM, eager, greedy) in a fresh process."""
+    """``python -m afd.reference`` (vllm.LLM, eager, greedy) in a fresh process: the
+    Attention role when ``llm_kwargs`` has an ``afd`` section, else native vLLM."""
     cmd = [sys.executable, "-m", "afd.reference", str(model), "--json", str(out)]
     if llm_kwargs:
         cmd += ["--llm-kwargs", json.dumps(llm_kwargs)]
+    afd = (llm_kwargs or {}).get("additional_config", {}).get("afd")
+    env = role_env(tmp, role_devices(afd, "attn"))
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, env=role_env(tmp), timeout=timeout, check=False
+        cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result: dict[str, Any] = json.loads(out.read_text())
@@ -127,9 +147,9 @@ def offline_greedy(
 class Server(RoleProcess):
     """An OpenAI-compatible vLLM API server (native, or ``afd serve --role attention``)."""
 
-    def __init__(self, cmd: list[str], port: int, tmp: Path) -> None:
+    def __init__(self, cmd: list[str], port: int, tmp: Path, devices: str | None = None) -> None:
         self.port = port
-        super().__init__(cmd, tmp)
+        super().__init__(cmd, tmp, devices)
 
     @classmethod
     def native(cls, model: Path, tmp: Path, *extra: str) -> Server:
@@ -151,7 +171,7 @@ class Server(RoleProcess):
             str(port),
             *extra,
         ]
-        return cls(cmd, port, tmp)
+        return cls(cmd, port, tmp, role_devices(None, "attn"))
 
     @classmethod
     def afd_attention(cls, model: Path, afd: dict[str, Any], tmp: Path, *extra: str) -> Server:
@@ -177,7 +197,7 @@ class Server(RoleProcess):
             json.dumps({"afd": afd}),
             *extra,
         ]
-        return cls(cmd, port, tmp)
+        return cls(cmd, port, tmp, role_devices(afd, "attn"))
 
     def wait_ready(self, timeout: float = 400) -> None:
         import urllib.request
@@ -297,12 +317,13 @@ def run_offline_afd(
 
 
 def run_served_afd(
-    model: Path, afd: dict[str, Any], tmp: Path, prompts: list[str]
+    model: Path, afd: dict[str, Any], tmp: Path, prompts: list[str], *, idle_s: float = 0.0
 ) -> tuple[list[list[int]], str, str]:
     """1 FFN server + ``afd serve --role attention`` (with ``--data-parallel-size`` when
-    ``afd["num_attention_ranks"] > 1``); the prompts are sent one at a time; then SIGTERM
-    must stop every process within 10 s with exit code 0 and nothing left behind.
-    Returns (token ids per prompt, attention log, FFN log)."""
+    ``afd["num_attention_ranks"] > 1``); the prompts are sent one at a time (with
+    ``idle_s``: the deployment sits idle that long after the first half, and both roles
+    must still be running); then SIGTERM must stop every process within 10 s with exit
+    code 0 and nothing left behind. Returns (token ids per prompt, attention log, FFN log)."""
     ranks = int(afd.get("num_attention_ranks", 1))
     dp = ["--data-parallel-size", str(ranks)] if ranks > 1 else []
     ffn = FFNServer(model, {**afd, "role": "ffn"}, tmp)
@@ -310,7 +331,15 @@ def run_served_afd(
     try:
         ffn.wait_ready()
         attention.wait_ready()
-        got = [attention.complete(p) for p in prompts]
+        half = len(prompts) // 2 if idle_s else len(prompts)
+        got = [attention.complete(p) for p in prompts[:half]]
+        if idle_s:
+            time.sleep(idle_s)
+            for role in (ffn, attention):
+                assert role.proc.poll() is None, (
+                    f"a role exited while the deployment was idle:\n{role.output[-3000:]}"
+                )
+            got += [attention.complete(p) for p in prompts[half:]]
         codes = terminate_all([attention.proc, ffn.proc], timeout=10)
         assert codes.pop("leftovers") == {}, "processes survived SIGTERM"
         assert set(codes.values()) == {0}, (codes, attention.output[-2000:], ffn.output[-2000:])

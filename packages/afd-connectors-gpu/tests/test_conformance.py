@@ -1,7 +1,10 @@
 """The afd-core conformance suite over every connector, one spawned process per rank.
 
 gloo and shared memory run on any machine; NCCL is ``@pytest.mark.gpu`` and skipped
-without CUDA or with fewer CUDA devices than the topology has ranks.
+without CUDA or with fewer CUDA devices than the topology has ranks. ``gloo-pool`` is
+the gloo connector moving tensors through the NCCL connector's per-peer buffer pool
+(``buffer_pool``): every code path of the NCCL connector but NCCL itself, on the
+topologies where one FFN rank serves several attention ranks (buffers per peer).
 """
 
 from __future__ import annotations
@@ -18,6 +21,14 @@ conformance = pytest.importorskip("afd_core.testing.conformance")
 # connector id -> (connector name, ProcessHarness keyword arguments, marks)
 CONNECTORS: dict[str, tuple[str, dict[str, Any], tuple[Any, ...]]] = {
     "gloo": ("P2pGlooAFDConnector", {"run_timeout_s": 60.0}, ()),
+    "gloo-pool": (
+        "P2pGlooAFDConnector",
+        {
+            "run_timeout_s": 60.0,
+            "config": {"connector_extra_config": {"buffer_pool": True, "max_num_tokens": 64}},
+        },
+        (),
+    ),
     "shm": ("P2pShmAFDConnector", {"run_timeout_s": 60.0}, ()),
     "nccl": (
         "P2pNcclAFDConnector",
@@ -28,10 +39,14 @@ CONNECTORS: dict[str, tuple[str, dict[str, Any], tuple[Any, ...]]] = {
 
 # Connector-major, then topology-major order: the harness keeps one process set per
 # topology alive across consecutive cases, so each topology pays the start-up once.
+# connector id -> topology labels it runs on (default: every topology of the suite)
+TOPOLOGY_FILTER = {"gloo-pool": {"2A1F", "3A2F"}}
+
 CASES = [
     pytest.param(c, s, t, id=f"{c}-{s.name}-{t.label}", marks=CONNECTORS[c][2])
     for c in CONNECTORS
     for t in conformance.TOPOLOGIES
+    if t.label in TOPOLOGY_FILTER.get(c, {t.label})
     for s in conformance.SCENARIOS
 ]
 
@@ -42,7 +57,11 @@ def harness(request: pytest.FixtureRequest) -> Iterator[ProcessHarness]:
     if request.param == "nccl":
         torch = pytest.importorskip("torch")
         if not torch.cuda.is_available():
-            pytest.skip("requires CUDA (torch.cuda.is_available() is False)")
+            need = ", ".join(f"{t.label} {t.world_size}" for t in conformance.TOPOLOGIES)
+            pytest.skip(
+                "requires CUDA (torch.cuda.is_available() is False); NCCL needs one CUDA "
+                f"device per rank: {need}"
+            )
     with ProcessHarness(name, **kwargs) as h:
         yield h
 

@@ -71,9 +71,56 @@ def _config(**kw) -> AFDConfig:
     return AFDConfig(role="attention", **kw)
 
 
-def test_gloo_connector_rejects_extra_config() -> None:
-    with pytest.raises(AFDConfigError, match="takes no extra options"):
-        P2pGlooAFDConnector(_config(connector_extra_config={"max_num_tokens": 4}), rank=0)
+def test_gloo_connector_validates_its_extra_config() -> None:
+    with pytest.raises(AFDConfigError, match="unknown keys"):
+        P2pGlooAFDConnector(_config(connector_extra_config={"slot_bytes": 4}), rank=0)
+    with pytest.raises(AFDConfigError, match="buffer_pool"):
+        P2pGlooAFDConnector(_config(connector_extra_config={"buffer_pool": "yes"}), rank=0)
+    conn = P2pGlooAFDConnector(
+        _config(connector_extra_config={"buffer_pool": True, "max_num_tokens": 4}), rank=0
+    )
+    assert conn.extra_config == {"buffer_pool": True, "max_num_tokens": 4}
+
+
+class _Sched:
+    def __init__(self, budget: int) -> None:
+        self.max_num_batched_tokens = budget
+
+
+class _VllmConfig:
+    def __init__(self, budget: int) -> None:
+        self.scheduler_config = _Sched(budget)
+
+
+@pytest.mark.parametrize(
+    ("cls", "extra"),
+    [
+        (P2pNcclAFDConnector, {}),
+        (P2pGlooAFDConnector, {"buffer_pool": True}),
+    ],
+    ids=["nccl", "gloo-pool"],
+)
+def test_token_budget_above_the_buffer_limit_is_refused_at_start_up(cls, extra) -> None:
+    config = _config(connector=cls.name, connector_extra_config={**extra, "max_num_tokens": 8192})
+    cls.check_deployment(config, _VllmConfig(8192))  # equal: fits
+    with pytest.raises(AFDConfigError) as err:
+        cls.check_deployment(config, _VllmConfig(16384))
+    text = str(err.value)
+    assert "max_num_batched_tokens=16384" in text and "--max-num-batched-tokens" in text
+    assert "connector_extra_config['max_num_tokens']=8192" in text
+
+
+def test_default_buffer_limit_covers_vllms_default_token_budgets() -> None:
+    # vllm.LLM on H100/H200-class GPUs defaults to 16384 batched tokens, the API server
+    # to 8192; vLLM's profiling run sends one message of that size.
+    config = _config(connector="P2pNcclAFDConnector")
+    P2pNcclAFDConnector.check_deployment(config, _VllmConfig(16384))
+    with pytest.raises(AFDConfigError, match="max_num_batched_tokens=16385"):
+        P2pNcclAFDConnector.check_deployment(config, _VllmConfig(16385))
+
+
+def test_gloo_without_pool_has_no_token_limit() -> None:
+    P2pGlooAFDConnector.check_deployment(_config(), _VllmConfig(1 << 20))
 
 
 def test_nccl_connector_validates_its_extra_config() -> None:

@@ -28,6 +28,10 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "shapes_and_dtypes": _TOPK_ONLY + "hidden states only",
         "fan_in_split": _TOPK_ONLY + "hidden states only",
         "header_mismatch": _TOPK_ONLY + "hidden states only (covered in test_camasync.py)",
+        "ffn_idle_wait": _TOPK_ONLY + "hidden states only (the idle wait is CAMConnector's, "
+        "which camp2p runs)",
+        "started_step_is_bounded": _TOPK_ONLY + "hidden states only (CAMConnector's fan-in, "
+        "which camp2p runs)",
         "shared_output": "CAMAsync runs shared experts on the Attention role; the FFN role "
         "must not send shared_output (covered in test_camasync.py)",
     },

@@ -263,7 +263,9 @@ def _spec_with_fake_roles(tmp_path: Path) -> DeploymentSpec:
 
 
 def test_failing_role_raises_with_its_last_lines(tmp_path: Path) -> None:
-    dep = Deployment(_spec_with_fake_roles(tmp_path), console=io.StringIO(), echo=False)
+    dep = Deployment(
+        _spec_with_fake_roles(tmp_path), console=io.StringIO(), echo=False, visible_devices=[]
+    )
     dep.roles = [
         _fake_role(
             tmp_path,
@@ -288,7 +290,9 @@ def test_stop_kills_whole_process_groups(tmp_path: Path) -> None:
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
         "print('AFD FFN server ready', flush=True); time.sleep(60)"
     )
-    dep = Deployment(_spec_with_fake_roles(tmp_path), console=io.StringIO(), echo=False)
+    dep = Deployment(
+        _spec_with_fake_roles(tmp_path), console=io.StringIO(), echo=False, visible_devices=[]
+    )
     dep.roles = [_fake_role(tmp_path, code)]
     dep._build_roles = lambda: None  # type: ignore[method-assign]
     dep.start()

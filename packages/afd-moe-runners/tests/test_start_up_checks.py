@@ -71,3 +71,62 @@ def test_the_connectors_deployment_check_runs_first(
 def test_an_unknown_connector_fails_at_the_model_build() -> None:
     with pytest.raises(AFDConfigError, match="NoSuchConnector"):
         check_supported_parallelism(vllm_config("NoSuchConnector", enable_dbo=False), "M")
+
+
+# ------------------------------------------------------------- compile mode / CUDA graphs
+
+
+def engine(*, eager: bool, mode: Any, graphs: Any, role: str = "attention") -> Any:
+    config = vllm_config("LoopbackAFDConnector", enable_dbo=False)
+    config.additional_config["afd"]["role"] = role
+    config.model_config = SimpleNamespace(enforce_eager=eager)
+    config.compilation_config = SimpleNamespace(mode=mode, cudagraph_mode=graphs)
+    return config
+
+
+def test_compiled_attention_role_is_refused_on_cuda_naming_enforce_eager() -> None:
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    from afd_moe_runners.role_model import compiled_graph_problem
+
+    # What vLLM 0.32 configures for a plain `vllm serve` on CUDA.
+    cuda_default = engine(
+        eager=False, mode=CompilationMode.VLLM_COMPILE, graphs=CUDAGraphMode.FULL_AND_PIECEWISE
+    )
+    problem = compiled_graph_problem(cuda_default, "cuda", "AFDDeepseekV2ForCausalLM")
+    assert problem is not None
+    assert "--enforce-eager" in problem and "AFDDeepseekV2ForCausalLM" in problem
+    assert "VLLM_COMPILE" in problem and "FULL_AND_PIECEWISE" in problem
+    # CUDA graphs alone are refused too.
+    graphs_only = engine(eager=False, mode=CompilationMode.NONE, graphs=CUDAGraphMode.PIECEWISE)
+    assert "CUDA graph mode PIECEWISE" in (compiled_graph_problem(graphs_only, "cuda", "M") or "")
+    # Eager engines pass on every platform; platforms afd does not judge pass.
+    eager = engine(eager=True, mode=CompilationMode.NONE, graphs=CUDAGraphMode.NONE)
+    for platform in ("cuda", "cpu", "rocm"):
+        assert compiled_graph_problem(eager, platform, "M") is None
+    assert compiled_graph_problem(cuda_default, "npu", "M") is None
+
+
+def test_compiled_attention_role_is_refused_at_the_model_build(monkeypatch) -> None:
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    from afd_moe_runners import role_model
+
+    # vLLM's CPU platform compiles with Dynamo by default (measured: the AFD runner then
+    # fails in vLLM's warm-up with "Unsupported context manager").
+    cpu_default = engine(
+        eager=False, mode=CompilationMode.DYNAMO_TRACE_ONCE, graphs=CUDAGraphMode.NONE
+    )
+    with pytest.raises(AFDConfigError, match="--enforce-eager"):
+        check_supported_parallelism(cpu_default, "AFDTestModel")
+    # The platform comes from vLLM's current platform; stubbed to CUDA it is refused too.
+    monkeypatch.setattr(role_model, "_current_device_type", lambda: "cuda")
+    with pytest.raises(AFDConfigError, match="on cuda"):
+        check_supported_parallelism(cpu_default, "AFDTestModel")
+    # The FFN role runs no compiled model forward: not refused.
+    check_supported_parallelism(
+        engine(
+            eager=False, mode=CompilationMode.VLLM_COMPILE, graphs=CUDAGraphMode.FULL, role="ffn"
+        ),
+        "AFDTestModel",
+    )

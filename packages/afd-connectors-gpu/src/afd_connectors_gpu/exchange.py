@@ -17,6 +17,8 @@ too. Nothing here imports torch.
 
 from __future__ import annotations
 
+import itertools
+import math
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -42,7 +44,10 @@ from afd_core.transfer import (
     dtype_name,
 )
 
-__all__ = ["ExchangeConnector"]
+__all__ = ["IDLE", "ExchangeConnector"]
+
+#: The deadline of a wait with none: the FFN side waiting for the next step.
+IDLE = math.inf
 
 _A2F_KINDS = frozenset(k for k in PayloadKind if k.is_attention_to_ffn)
 _F2A_KINDS = frozenset(k for k in PayloadKind if k.is_ffn_to_attention)
@@ -211,7 +216,11 @@ class ExchangeConnector(AFDConnector):
     def _recv_frames(
         self, link: Any, peers: Sequence[int], deadline: float, timeout: float, action: str
     ) -> Iterable[Frame]:
-        """The next frame of each of ``peers``, in order (the message is not consumed)."""
+        """The next frame of each of ``peers``, in order (the message is not consumed).
+
+        ``deadline`` may be :data:`IDLE` (no deadline: only close() or the loss of the
+        peer ends the wait).
+        """
         raise NotImplementedError
 
     def _recv_tensors(
@@ -391,10 +400,25 @@ class ExchangeConnector(AFDConnector):
             )
         for peer in self._peers:
             self._check_peer(peer)
-        deadline, timeout = self._deadline(timeout_s)
         action = "receiving from"
+        received: Iterable[Frame]
+        if timeout_s is None:
+            # Waiting for the next step is not a transfer: no deadline while the peers are
+            # alive (peer loss and close() still end the wait). Once the first peer's frame
+            # is here the step has started, and the rest of it is bounded.
+            first = list(
+                self._recv_frames(
+                    link, self._peers[:1], IDLE, self.config.transfer_timeout_s,
+                    "waiting for the next step from",
+                )
+            )  # fmt: skip
+            deadline, timeout = self._deadline(None)
+            rest = self._recv_frames(link, self._peers[1:], deadline, timeout, action)
+            received = itertools.chain(first, rest)
+        else:
+            deadline, timeout = self._deadline(timeout_s)
+            received = self._recv_frames(link, self._peers, deadline, timeout, action)
         frames: list[Frame] = []
-        received = self._recv_frames(link, self._peers, deadline, timeout, action)
         for peer, frame in zip(self._peers, received, strict=True):
             kind = frame.header.kind
             if kind is PayloadKind.SHUTDOWN:

@@ -2,9 +2,12 @@
 
 One implementation, :class:`P2pAFDConnector`, with two registered flavours:
 
-* :class:`P2pGlooAFDConnector` — CPU tensors over gloo (the embedded default);
-* :class:`P2pNcclAFDConnector` — CUDA tensors over NCCL, frames over gloo, receive
-  buffers preallocated per power-of-two token bucket.
+* :class:`P2pGlooAFDConnector` — CPU tensors over gloo (the embedded default); with
+  ``connector_extra_config["buffer_pool"]`` it moves tensors through the same
+  preallocated per-peer buffers as NCCL (:mod:`afd_connectors_gpu.buffers`), so that
+  path runs on any machine;
+* :class:`P2pNcclAFDConnector` — CUDA tensors over NCCL (one communicator per
+  direction), frames over gloo, tensors through the buffer pool.
 
 Per message: a frame (:mod:`afd_connectors_gpu.wire`: ``TransferHeader.encode()``
 plus transport words, int64) then the tensors in a fixed order. The exchange itself
@@ -18,17 +21,19 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import socket
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
 
-from afd_connectors_gpu.exchange import ExchangeConnector, _Message, _positive_int, _Spec
-from afd_connectors_gpu.rendezvous import DataPlaneGroup, join_data_plane
+from afd_connectors_gpu.buffers import DEFAULT_MAX_NUM_TOKENS, BufferPool
+from afd_connectors_gpu.exchange import IDLE, ExchangeConnector, _Message, _positive_int, _Spec
+from afd_connectors_gpu.rendezvous import A2F, F2A, DataPlaneGroup, join_data_plane
 from afd_connectors_gpu.wire import FRAME_LEN, Frame
-from afd_core.config import AFDConfig
-from afd_core.errors import AFDConfigError, AFDTransferMismatchError
-from afd_core.transfer import dtype_name
+from afd_core.config import AFDConfig, AFDRole
+from afd_core.errors import AFDConfigError, AFDPeerLostError, AFDTransferMismatchError
 
 __all__ = ["P2pAFDConnector", "P2pGlooAFDConnector", "P2pNcclAFDConnector"]
 
@@ -40,6 +45,12 @@ _SENTINEL_TAG = 0x7AFE
 _SHUTDOWN_GRACE_S = 0.2
 _FLUSH_GRACE_S = 1.0
 _NCCL_POLL_S = 50e-6
+# gloo's wait takes a finite timeout (a receive that times out drops the connection):
+# a wait with no deadline (the FFN waiting for the next step) waits this long.
+_FOREVER = timedelta(days=365)
+# NCCL's own watchdog timeout: well past afd's transfer deadline, so that afd aborts a
+# late operation (and reports it) before torch's watchdog tears the process down.
+_NCCL_WATCHDOG_MARGIN_S = 60.0
 
 
 class P2pAFDConnector(ExchangeConnector):
@@ -47,10 +58,11 @@ class P2pAFDConnector(ExchangeConnector):
 
     Failure behaviour: a receive that outlives its timeout raises
     :class:`AFDTimeoutError` (gloo then drops the connection to that peer, so later
-    transfers with it raise :class:`AFDPeerLostError`); a peer process that exits
-    or crashes closes its sockets and the blocked side raises
+    transfers with it raise :class:`AFDPeerLostError`; NCCL aborts its communicators); a
+    peer process that exits or crashes closes its sockets and the blocked side raises
     :class:`AFDPeerLostError` at once; ``close()`` (from any thread) makes blocked
-    and later calls raise :class:`AFDConnectorClosedError`.
+    and later calls raise :class:`AFDConnectorClosedError`. The FFN side's wait for the
+    next step (``recv_from_attention()`` without ``timeout_s``) has no deadline.
     """
 
     #: "gloo" or "nccl": which backend carries the tensors (frames always use gloo).
@@ -59,10 +71,20 @@ class P2pAFDConnector(ExchangeConnector):
     def __init__(self, config: AFDConfig, *, rank: int) -> None:
         super().__init__(config, rank=rank)
         self._group: DataPlaneGroup | None = None
+        # (work, peer, tensor kept alive until the send completed)
         self._pending_sends: collections.deque[tuple[Any, int, Any]] = collections.deque()
-        self._sentinels: dict[int, Any] = {}
-        self._buffers: dict[tuple[Any, ...], Any] = {}
+        # gloo reports a send complete only through wait(); a send is settled by wait()
+        # once more than this many are queued. In the AFD protocol at most one message
+        # per (peer, micro-batch) is undelivered at a time (4 operations at most), so the
+        # oldest one past this bound has long been delivered and wait() returns at once.
+        self._max_pending = 8 * config.num_micro_batches * max(1, len(self._peers)) + 8
+        self._pool: BufferPool | None = None
+        if self._uses_pool():
+            limit = int(self.extra_config["max_num_tokens"])
+            self._pool = BufferPool(max_num_tokens=limit, device=None, label=self.label)
         self._device: Any = None
+        # Peer global rank -> why its process is gone (set by the sentinel watchers).
+        self._lost: dict[int, str] = {}
 
     # -- lifecycle -----------------------------------------------------------------
     def _link(self) -> DataPlaneGroup | None:
@@ -78,7 +100,11 @@ class P2pAFDConnector(ExchangeConnector):
             connect_timeout_s=self.config.connect_timeout_s,
             transfer_timeout_s=self.config.transfer_timeout_s,
             nccl_device=self._device if self.backend == "nccl" else None,
+            nccl_timeout_s=self.config.transfer_timeout_s + _NCCL_WATCHDOG_MARGIN_S,
+            device_identity=self._device_identity(),
         )
+        if self._pool is not None:
+            self._pool.device = self._device
         self._after_join(group)
         self._group = group
         logger.debug("%s joined the data plane at %s", self.label, self._where)
@@ -93,16 +119,18 @@ class P2pAFDConnector(ExchangeConnector):
             # Let sends already posted finish (the peer may still be receiving our last
             # answer), but never for long: close() must not hang on a peer that is gone.
             flush_deadline = time.monotonic() + _FLUSH_GRACE_S
-            while self._pending_sends and time.monotonic() < flush_deadline:
-                if self._pending_sends[0][0].is_completed():
-                    self._pending_sends.popleft()
-                else:
-                    time.sleep(0.001)
+            while self._pending_sends:
+                work, _, _ = self._pending_sends.popleft()
+                remaining = flush_deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                with contextlib.suppress(RuntimeError):
+                    work.wait(timedelta(seconds=remaining))
             peer = self._shutdown_peer()
             if peer is not None:
                 # The FFN peer is at a message boundary: tell it we are leaving so its
                 # receive fails with "attention rank N closed" rather than a socket error.
-                frame = torch.tensor(Frame.shutdown(self._global_rank).encode(), dtype=torch.int64)
+                frame = _cpu_tensor(Frame.shutdown(self._global_rank).encode())
                 with contextlib.suppress(RuntimeError):
                     group.gloo.send([frame], peer, _DATA_TAG).wait(
                         timedelta(seconds=_SHUTDOWN_GRACE_S)
@@ -110,41 +138,39 @@ class P2pAFDConnector(ExchangeConnector):
             # A receive that times out makes gloo close the connection to that peer, which
             # also fails any receive another thread has pending on it: that is how close()
             # unblocks waiters (gloo's abort() does not interrupt point-to-point waits).
-            dummy = torch.zeros(1)
+            dummy = torch.zeros(1, device="cpu")
             for peer in self._peers:
                 with contextlib.suppress(RuntimeError):
                     group.gloo.recv([dummy], peer, _BREAK_TAG).wait(timedelta(milliseconds=1))
-            if group.nccl is not None:
-                try:
-                    group.nccl.abort()
-                except RuntimeError:
-                    logger.debug("%s: NCCL abort failed", self.label, exc_info=True)
+            self._abort_nccl(group)
         finally:
-            self._sentinels.clear()
             self._pending_sends.clear()
-            self._buffers.clear()
+            if self._pool is not None:
+                self._pool.clear()
             self._group = None
 
     # -- hooks for the NCCL flavour ------------------------------------------------
+    def _uses_pool(self) -> bool:
+        return bool(self.extra_config.get("buffer_pool", False))
+
     def _select_device(self) -> Any:
         import torch
 
         return torch.device("cpu")
 
+    def _device_identity(self) -> str | None:
+        """What identifies this rank's device across the deployment (None: no check)."""
+        return None
+
     def _after_join(self, group: DataPlaneGroup) -> None:
         """Called once the process group exists (before ``init()`` returns)."""
 
-    def _stage_send(self, tensor: Any, slot: int, mb: int) -> Any:
-        t = tensor if tensor.device == self._device else tensor.to(self._device)
-        return t.contiguous()
-
-    def _recv_buffer(self, num_tokens: int, spec: _Spec, slot: int, mb: int) -> tuple[Any, Any]:
-        """(buffer to receive into, tensor to hand out)."""
-        import torch
-
-        trailing, dtype = spec
-        t = torch.empty((num_tokens, *trailing), dtype=getattr(torch, dtype), device=self._device)
-        return t, t
+    def _abort_nccl(self, group: DataPlaneGroup) -> None:
+        for pg in group.nccl.values():
+            try:
+                pg.abort()
+            except RuntimeError:
+                logger.debug("%s: NCCL abort failed", self.label, exc_info=True)
 
     def _wait_data(
         self, work: Any, peer: int, deadline: float, timeout: float, action: str
@@ -152,6 +178,9 @@ class P2pAFDConnector(ExchangeConnector):
         self._wait_gloo(work, peer, deadline, timeout, action)
 
     # -- transport -------------------------------------------------------------------
+    def _data_pg(self, link: DataPlaneGroup, direction: str) -> Any:
+        return link.nccl.get(direction, link.gloo)
+
     def _map_error(self, exc: BaseException, peer: int, timeout: float, action: str) -> Exception:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if self._closed:
@@ -167,11 +196,31 @@ class P2pAFDConnector(ExchangeConnector):
     def _wait_gloo(
         self, work: Any, peer: int, deadline: float, timeout: float, action: str
     ) -> None:
-        remaining = max(deadline - time.monotonic(), 0.001)
+        if deadline == IDLE:
+            limit = _FOREVER
+        else:
+            limit = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
         try:
-            work.wait(timedelta(seconds=remaining))
-        except RuntimeError as exc:
+            work.wait(limit)
+        except RuntimeError as exc:  # DistBackendError / DistNetworkError included
             raise self._map_error(exc, peer, timeout, action) from exc
+
+    def _settle(self, work: Any, peer: int) -> None:
+        """Wait for a send posted earlier (it has normally completed long ago)."""
+        timeout = self.config.transfer_timeout_s
+        try:
+            work.wait(timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            raise self._map_error(exc, peer, timeout, "sending to") from exc
+
+    def _stage(self, tensor: Any, peer: int, slot: int, mb: int) -> tuple[Any, Any]:
+        """(tensor to send, pool key or None): on the connector's device, contiguous."""
+        if self._pool is not None:
+            return self._pool.stage(
+                tensor, peer=peer, slot=slot, mb=mb, settle=lambda w: self._settle(w, peer)
+            )
+        t = tensor if tensor.device == self._device else tensor.to(self._device)
+        return t.contiguous(), None
 
     def _send_messages(
         self,
@@ -185,39 +234,44 @@ class P2pAFDConnector(ExchangeConnector):
 
         A gloo send completes only once the receiver has posted the matching receive,
         so waiting here would deadlock as soon as both sides send before receiving
-        (micro-batches). Pending sends keep their tensors alive and are reaped (and
+        (micro-batches). Pending sends keep their tensors alive and are settled (and
         their errors raised) by later calls; the caller must not modify a sent tensor
-        in place before the answer to it has been received.
+        in place before the answer to it has been received. Every tensor is staged
+        before the first frame is posted, so a message over the buffer limit is refused
+        with nothing on the wire.
         """
-        import torch
-
         posts = list(messages)  # checks every peer before anything is posted
         self._reap_sends()
-        data_pg = link.nccl if link.nccl is not None else link.gloo
+        direction = A2F if self.role is AFDRole.ATTENTION else F2A
+        data_pg = self._data_pg(link, direction)
+        staged = [
+            [
+                self._stage(t, peer, slot, mb) if t.numel() else (None, None)
+                for slot, t in enumerate(tensors)
+            ]
+            for peer, _, tensors in posts
+        ]
         try:
-            for peer, frame, tensors in posts:
-                head = torch.tensor(frame.encode(), dtype=torch.int64)
+            for (peer, frame, _), parts in zip(posts, staged, strict=True):
+                head = _cpu_tensor(frame.encode())
                 work = link.gloo.send([head], peer, _DATA_TAG)
                 self._pending_sends.append((work, peer, head))
-                for slot, tensor in enumerate(tensors):
-                    if tensor.numel() == 0:
+                for tensor, key in parts:
+                    if tensor is None:
                         continue
-                    staged = self._stage_send(tensor, slot, mb)
-                    work = data_pg.send([staged], peer, _DATA_TAG)
-                    self._pending_sends.append((work, peer, staged))
+                    work = data_pg.send([tensor], peer, _DATA_TAG)
+                    self._pending_sends.append((work, peer, tensor))
+                    if key is not None and self._pool is not None:
+                        self._pool.sent(key, work)
         except RuntimeError as exc:
             raise self._map_error(exc, posts[0][0], timeout, "sending to") from exc
 
     def _reap_sends(self) -> None:
-        """Forget completed sends; raise the error of a failed one."""
+        """Settle the oldest sends past the bound; raise the error of a failed one."""
         pending = self._pending_sends
-        while pending and pending[0][0].is_completed():
+        while len(pending) > self._max_pending:
             work, peer, _ = pending.popleft()
-            try:
-                work.wait()
-            except RuntimeError as exc:
-                timeout = self.config.transfer_timeout_s
-                raise self._map_error(exc, peer, timeout, "sending to") from exc
+            self._settle(work, peer)
 
     def _recv_frames(
         self,
@@ -227,9 +281,7 @@ class P2pAFDConnector(ExchangeConnector):
         timeout: float,
         action: str,
     ) -> list[Frame]:
-        import torch
-
-        heads = [torch.empty(FRAME_LEN, dtype=torch.int64) for _ in peers]
+        heads = [_cpu_tensor([0] * FRAME_LEN) for _ in peers]
         works = []
         for peer, head in zip(peers, heads, strict=True):
             try:
@@ -242,6 +294,18 @@ class P2pAFDConnector(ExchangeConnector):
             frames.append(self._decode_frame(peer, head.tolist()))
         return frames
 
+    def _recv_buffer(
+        self, peer: int, num_tokens: int, spec: _Spec, slot: int, mb: int
+    ) -> tuple[Any, Any]:
+        """(buffer to receive into, tensor to hand out)."""
+        if self._pool is not None:
+            return self._pool.receive(peer, num_tokens, spec, slot, mb)
+        import torch
+
+        trailing, dtype = spec
+        t = torch.empty((num_tokens, *trailing), dtype=getattr(torch, dtype), device=self._device)
+        return t, t
+
     def _recv_tensors(
         self,
         link: DataPlaneGroup,
@@ -252,13 +316,18 @@ class P2pAFDConnector(ExchangeConnector):
         action: str,
         mb: int,
     ) -> list[Any]:
-        data_pg = link.nccl if link.nccl is not None else link.gloo
+        direction = F2A if self.role is AFDRole.ATTENTION else A2F
+        data_pg = self._data_pg(link, direction)
         per_peer: list[list[Any]] = []
         posted: list[tuple[Any, int]] = []
         for peer, num_tokens in parts:
             out = []
             for slot, spec in enumerate(specs):
-                buf, view = self._recv_buffer(num_tokens, spec, slot, mb)
+                try:
+                    buf, view = self._recv_buffer(peer, num_tokens, spec, slot, mb)
+                except AFDTransferMismatchError:
+                    self._broken[peer] = "message over the buffer limit"
+                    raise
                 out.append(view)
                 if num_tokens == 0:
                     continue
@@ -275,29 +344,95 @@ class P2pAFDConnector(ExchangeConnector):
 
         return [torch.cat(rows, dim=0) for rows in zip(*per_peer, strict=True)]
 
+    # -- start-up checks -----------------------------------------------------------
+    @classmethod
+    def check_deployment(
+        cls, config: AFDConfig, vllm_config: Any, *, platform: str | None = None
+    ) -> None:
+        """With a buffer pool, the engine's token budget must fit the buffer limit.
+
+        vLLM's memory-profiling run sends one batch of ``max_num_batched_tokens`` tokens
+        through every layer; a message over the limit would fail both roles mid-step.
+        """
+        extra = cls.validate_extra_config(config.connector_extra_config)
+        if not (cls.backend == "nccl" or extra.get("buffer_pool")):
+            return
+        sched = getattr(vllm_config, "scheduler_config", None)
+        budget = getattr(sched, "max_num_batched_tokens", None)
+        limit = int(extra["max_num_tokens"])
+        if isinstance(budget, int) and budget > limit:
+            raise AFDConfigError(
+                f"{cls.name}: the engine's token budget max_num_batched_tokens={budget} "
+                f"(--max-num-batched-tokens) exceeds the connector's buffer limit "
+                f"connector_extra_config['max_num_tokens']={limit}; set max_num_tokens to "
+                f"at least {budget} in afd.connector_extra_config, or lower "
+                "--max-num-batched-tokens"
+            )
+
+
+def _pool_keys(cls_name: str, extra: Mapping[str, Any], out: dict[str, Any]) -> None:
+    """Validate the buffer-pool keys shared by both flavours into ``out``."""
+    out["max_num_tokens"] = _positive_int(
+        cls_name, "max_num_tokens", extra.get("max_num_tokens", DEFAULT_MAX_NUM_TOKENS)
+    )
+
+
+def _cpu_tensor(values: Sequence[int]) -> Any:
+    """An int64 CPU tensor, whatever default device or dtype the caller set."""
+    import torch
+
+    return torch.tensor(list(values), dtype=torch.int64, device="cpu")
+
 
 class P2pGlooAFDConnector(P2pAFDConnector):
-    """CPU tensors over gloo; no extra configuration."""
+    """CPU tensors over gloo.
+
+    connector_extra_config (all optional):
+      ``buffer_pool`` (bool, default false): move tensors through preallocated per-peer
+      bucket buffers, as the NCCL connector does (a received tensor is then a view of a
+      pool buffer, valid until the next receive of the same bucket, peer and micro-batch).
+      ``max_num_tokens`` (int, default 16384): largest message with ``buffer_pool``.
+    """
 
     name: ClassVar[str] = "P2pGlooAFDConnector"
     backend: ClassVar[str] = "gloo"
+
+    _KEYS: ClassVar[frozenset[str]] = frozenset({"buffer_pool", "max_num_tokens"})
+
+    @classmethod
+    def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
+        cls._check_extra_keys(extra)
+        pool = extra.get("buffer_pool", False)
+        if not isinstance(pool, bool):
+            raise AFDConfigError(
+                f"connector_extra_config['buffer_pool'] of {cls.name}: expected true or "
+                f"false, got {pool!r}"
+            )
+        out: dict[str, Any] = {"buffer_pool": pool}
+        _pool_keys(cls.name, extra, out)
+        return out
 
 
 class P2pNcclAFDConnector(P2pAFDConnector):
     """CUDA tensors over NCCL; frames (headers) over gloo on the CPU.
 
-    Tensors move as power-of-two token buckets (``1, 2, 4, ... max_num_tokens``): the
-    sender copies into a preallocated bucket buffer and sends the whole bucket, the
-    receiver receives into a preallocated buffer of the same bucket and hands out the
-    first ``num_tokens`` rows. Buffers are keyed by (bucket, shape, dtype, micro-batch),
-    so their addresses stay fixed after the first step of each size, which is what
-    CUDA-graph capture of the tensor transfers needs. A received tensor is a view of
-    such a buffer: it stays valid until the next receive of the same bucket and
-    micro-batch.
+    Tensors move through a :class:`~afd_connectors_gpu.buffers.BufferPool`: power-of-two
+    token buckets, one buffer per (direction, peer, bucket, shape, dtype, slot,
+    micro-batch), so addresses stay fixed after the first step of each size and two
+    peers never share a buffer. A received tensor is a view of such a buffer: it stays
+    valid until the next receive of the same bucket, peer and micro-batch. A->F and F->A
+    tensors use two NCCL communicators (two streams), so messages in flight in opposite
+    directions never queue behind each other.
+
+    Every rank must have a device of its own: ``init()`` refuses two ranks on one GPU,
+    naming both. A late NCCL operation aborts the communicators and raises
+    :class:`AFDTimeoutError`; an NCCL error surfaces as :class:`AFDPeerLostError`.
 
     connector_extra_config:
-      ``max_num_tokens`` (int, default 8192): largest message; bigger ones are refused.
-      ``device`` (int, default ``torch.cuda.current_device()``): CUDA device index.
+      ``max_num_tokens`` (int, default 16384): largest message; must be at least the
+      engine's ``--max-num-batched-tokens`` (checked at start-up).
+      ``device`` (int, default ``torch.cuda.current_device()``): CUDA device index of
+      the connector's buffers (the process's current device is left as it is).
       ``hidden_size`` (int, optional) and ``dtype`` (str, default "bfloat16"):
       preallocate the hidden-state receive buffers of every bucket in ``init()``.
     """
@@ -313,13 +448,11 @@ class P2pNcclAFDConnector(P2pAFDConnector):
     def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
         cls._check_extra_keys(extra)
         out: dict[str, Any] = {
-            "max_num_tokens": _positive_int(
-                cls.name, "max_num_tokens", extra.get("max_num_tokens", 8192)
-            ),
             "device": extra.get("device"),
             "hidden_size": extra.get("hidden_size"),
             "dtype": extra.get("dtype", "bfloat16"),
         }
+        _pool_keys(cls.name, extra, out)
         if out["device"] is not None and (
             not isinstance(out["device"], int)
             or isinstance(out["device"], bool)
@@ -334,22 +467,22 @@ class P2pNcclAFDConnector(P2pAFDConnector):
         cls._check_dtype(out["dtype"])
         return out
 
+    def _uses_pool(self) -> bool:
+        return True
+
     @property
     def max_num_tokens(self) -> int:
         return int(self.extra_config["max_num_tokens"])
 
     def bucket_of(self, num_tokens: int) -> int:
         """The power-of-two bucket that carries ``num_tokens`` rows."""
-        if num_tokens > self.max_num_tokens:
-            raise AFDTransferMismatchError(
-                f"{self.label}: {num_tokens} tokens exceed max_num_tokens={self.max_num_tokens}; "
-                "raise connector_extra_config['max_num_tokens']"
-            )
-        return 1 << max(num_tokens - 1, 0).bit_length()
+        assert self._pool is not None
+        return self._pool.bucket_of(num_tokens)
 
     def buckets(self) -> list[int]:
         """Every bucket: powers of two up to the first one >= ``max_num_tokens``."""
-        return [1 << i for i in range(self.bucket_of(self.max_num_tokens).bit_length())]
+        assert self._pool is not None
+        return self._pool.buckets()
 
     def _select_device(self) -> Any:
         import torch
@@ -362,58 +495,92 @@ class P2pNcclAFDConnector(P2pAFDConnector):
         index = self.extra_config["device"]
         if index is None:
             index = torch.cuda.current_device()
-        torch.cuda.set_device(index)
+        # No torch.cuda.set_device: the model's allocations stay where vLLM put them.
         return torch.device("cuda", index)
+
+    def _device_identity(self) -> str | None:
+        import torch
+
+        index = self._device.index
+        props = torch.cuda.get_device_properties(index)
+        uuid = getattr(props, "uuid", None)
+        ident = str(uuid) if uuid is not None else f"pci {getattr(props, 'pci_bus_id', index)}"
+        return f"{socket.gethostname()} cuda:{index} ({props.name}, {ident})"
 
     def _after_join(self, group: DataPlaneGroup) -> None:
         import torch
 
         # NCCL never notices a dead peer by itself. Each rank keeps one gloo receive
-        # pending per peer on a tag nobody sends on; when the peer's process dies (or
-        # it closes), gloo fails that receive, and the NCCL wait loop sees it.
+        # pending per peer on a tag nobody sends on, waited for by a watcher thread:
+        # when the peer's process dies (or it closes), gloo fails that receive and the
+        # NCCL wait loop sees the peer in ``_lost``. (A gloo work reports completion only
+        # through wait(), so polling is_completed() would never see it.)
         for peer in self._peers:
-            self._sentinels[peer] = group.gloo.recv([torch.zeros(1)], peer, _SENTINEL_TAG)
+            work = group.gloo.recv([torch.zeros(1, device="cpu")], peer, _SENTINEL_TAG)
+            threading.Thread(
+                target=self._watch_peer,
+                args=(work, peer),
+                name=f"afd-nccl-watch-{peer}",
+                daemon=True,
+            ).start()
         hidden = self.extra_config["hidden_size"]
-        if hidden is not None:
+        if hidden is not None and self._pool is not None:
             spec: _Spec = ((int(hidden),), str(self.extra_config["dtype"]))
-            for bucket in self.buckets():
-                for mb in range(self.config.num_micro_batches):
-                    self._recv_buffer(bucket, spec, 0, mb)
+            made = self._pool.preallocate(self._peers, spec, self.config.num_micro_batches)
+            logger.info("%s: preallocated %.1f MiB of receive buffers", self.label, made / 2**20)
 
-    def _buffer(self, kind: str, bucket: int, spec: _Spec, slot: int, mb: int) -> Any:
-        import torch
+    def _watch_peer(self, work: Any, peer: int) -> None:
+        try:
+            work.wait(_FOREVER)
+        except RuntimeError as exc:
+            if not self._closed:
+                self._lost[peer] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
-        trailing, dtype = spec
-        key = (kind, bucket, trailing, dtype, slot, mb)
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = torch.zeros((bucket, *trailing), dtype=getattr(torch, dtype), device=self._device)
-            self._buffers[key] = buf
-        return buf
+    def _map_error(self, exc: BaseException, peer: int, timeout: float, action: str) -> Exception:
+        """An NCCL error (torch's DistBackendError) aborts the communicators and says so;
+        gloo errors (frames, sentinels) map as on the gloo connector."""
+        text = str(exc)
+        if self._closed or "NCCL" not in text:
+            return super()._map_error(exc, peer, timeout, action)
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        detail = lines[0]
+        if "Last error:" in lines and lines.index("Last error:") + 1 < len(lines):
+            detail += f" ({lines[lines.index('Last error:') + 1]})"
+        self._fail_nccl(f"NCCL error: {detail}")
+        return AFDPeerLostError(
+            f"{self.label}: NCCL failed while {action} {self._describe(peer)}: {detail}; "
+            "the NCCL communicators were aborted, create a new connector"
+        )
 
-    def _stage_send(self, tensor: Any, slot: int, mb: int) -> Any:
-        n = int(tensor.shape[0])
-        spec: _Spec = (tuple(int(s) for s in tensor.shape[1:]), dtype_name(tensor.dtype))
-        buf = self._buffer("send", self.bucket_of(n), spec, slot, mb)
-        buf[:n].copy_(tensor, non_blocking=True)
-        return buf
-
-    def _recv_buffer(self, num_tokens: int, spec: _Spec, slot: int, mb: int) -> tuple[Any, Any]:
-        buf = self._buffer("recv", self.bucket_of(num_tokens), spec, slot, mb)
-        return buf, buf[:num_tokens]
+    def _fail_nccl(self, reason: str) -> None:
+        """An NCCL operation failed or is late: abort the communicators (queued operations
+        would otherwise run later or trip torch's watchdog); no peer is usable after that."""
+        group = self._group
+        if group is not None:
+            self._abort_nccl(group)
+        for p in self._peers:
+            self._broken.setdefault(p, reason)
 
     def _wait_data(
         self, work: Any, peer: int, deadline: float, timeout: float, action: str
     ) -> None:
+        import torch
+
         while not work.is_completed():
             if self._closed:
                 raise self._closed_error(peer, action)
-            sentinel = self._sentinels.get(peer)
-            if sentinel is not None and sentinel.is_completed():
+            lost = self._lost.get(peer)
+            if lost is not None:
+                self._fail_nccl("its process exited or closed")
                 self._broken[peer] = "its process exited or closed"
-                raise self._gone_error(peer, action)
+                raise self._gone_error(peer, action, lost)
             if time.monotonic() > deadline:
-                self._broken[peer] = f"timed out after {timeout:g} s"
-                raise self._timeout_error(peer, timeout, action)
+                self._fail_nccl(f"NCCL aborted after a timeout of {timeout:g} s")
+                raise self._timeout_error(
+                    peer, timeout, action, "; the NCCL communicators were aborted"
+                )
             time.sleep(_NCCL_POLL_S)
-        work.wait()
+        try:
+            work.wait()
+        except (RuntimeError, torch.distributed.DistError) as exc:
+            raise self._map_error(exc, peer, timeout, action) from exc

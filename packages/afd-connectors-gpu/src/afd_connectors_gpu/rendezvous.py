@@ -15,18 +15,35 @@ does not need, and the join step above wants the store itself.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from afd_core.errors import AFDConfigError, AFDTimeoutError
 from afd_core.topology import AFDTopology
 
-__all__ = ["DataPlaneGroup", "barrier", "describe_global_rank", "join_data_plane", "join_store"]
+__all__ = [
+    "A2F",
+    "F2A",
+    "DataPlaneGroup",
+    "barrier",
+    "check_distinct_devices",
+    "describe_global_rank",
+    "join_data_plane",
+    "join_store",
+]
 
 _POLL_S = 0.02
+# How long attention rank 0 keeps the store up for the other ranks to read the device
+# list when it refuses the deployment (they are reading it at that moment).
+_REFUSAL_GRACE_S = 5.0
+
+#: Directions of tensor traffic; with NCCL each has a communicator (a stream) of its own.
+A2F = "a2f"
+F2A = "f2a"
 
 
 def describe_global_rank(topology: AFDTopology, global_rank: int) -> str:
@@ -36,11 +53,35 @@ def describe_global_rank(topology: AFDTopology, global_rank: int) -> str:
 
 @dataclass
 class DataPlaneGroup:
-    """The store and the backends of one connector's data plane."""
+    """The store and the backends of one connector's data plane.
+
+    ``nccl`` maps a direction (:data:`A2F`, :data:`F2A`) to its NCCL process group; it
+    is empty when tensors travel over gloo.
+    """
 
     store: Any
     gloo: Any
-    nccl: Any | None = None
+    nccl: dict[str, Any] = field(default_factory=dict)
+
+
+def check_distinct_devices(topology: AFDTopology, devices: Sequence[str]) -> None:
+    """Refuse two ranks on one device: ``devices[g]`` is global rank g's device identity
+    (``""``: no device to check). Raises :class:`AFDConfigError` naming both ranks."""
+    seen: dict[str, int] = {}
+    for g, ident in enumerate(devices):
+        if not ident:
+            continue
+        if ident in seen:
+            first = seen[ident]
+            raise AFDConfigError(
+                f"AFD data plane: {describe_global_rank(topology, first)} (global rank "
+                f"{first}) and {describe_global_rank(topology, g)} (global rank {g}) are "
+                f"both on device {ident}; every rank needs a device of its own (NCCL "
+                "refuses two ranks on one GPU). Give each role its own GPUs with "
+                "CUDA_VISIBLE_DEVICES (afd launch does this; see docs/gpu.md) or set "
+                "connector_extra_config['device'] per rank"
+            )
+        seen[ident] = g
 
 
 def _wait_for_keys(
@@ -78,12 +119,15 @@ def join_store(
     global_rank: int,
     connect_timeout_s: float,
     prefix: str = "afd-p2p",
+    device_identity: str | None = None,
 ) -> tuple[Any, Any, float]:
     """Open (attention rank 0: host) the TCPStore and wait until every rank has joined.
 
     Returns ``(store, prefixed store, deadline)``; ``deadline`` is the monotonic time at
     which the connect timeout of this rendezvous expires. A rank still missing then is
-    named in the :class:`AFDTimeoutError`.
+    named in the :class:`AFDTimeoutError`. Every rank announces ``device_identity``
+    (its accelerator, or None): two ranks on one device are refused on every rank
+    (:func:`check_distinct_devices`) before any backend is built.
     """
     import torch.distributed as dist
     from torch.distributed import PrefixStore, TCPStore
@@ -115,10 +159,27 @@ def join_store(
 
     afd_store = PrefixStore(prefix, store)
     ranks = list(range(world))
-    afd_store.set(f"join/{global_rank}", "1")
+    afd_store.set(f"join/{global_rank}", device_identity or "")
     _wait_for_keys(
         afd_store, [f"join/{g}" for g in ranks], ranks, deadline, "joining", topology, where
     )
+    devices = [afd_store.get(f"join/{g}").decode() for g in ranks]
+    afd_store.set(f"devices-read/{global_rank}", "1")
+    try:
+        check_distinct_devices(topology, devices)
+    except AFDConfigError:
+        if is_master:  # the others are reading the list from this rank's store
+            with contextlib.suppress(AFDTimeoutError):
+                _wait_for_keys(
+                    afd_store,
+                    [f"devices-read/{g}" for g in ranks],
+                    ranks,
+                    time.monotonic() + _REFUSAL_GRACE_S,
+                    "refusing the deployment",
+                    topology,
+                    where,
+                )
+        raise
     return store, afd_store, deadline
 
 
@@ -147,8 +208,14 @@ def join_data_plane(
     connect_timeout_s: float,
     transfer_timeout_s: float,
     nccl_device: Any | None = None,
+    nccl_timeout_s: float | None = None,
+    device_identity: str | None = None,
 ) -> DataPlaneGroup:
-    """Rendezvous with every rank of ``topology`` and build the backends."""
+    """Rendezvous with every rank of ``topology`` and build the backends.
+
+    With ``nccl_device`` two NCCL process groups are built, one per direction
+    (:data:`A2F`, :data:`F2A`), with ``nccl_timeout_s`` as torch's own watchdog timeout.
+    """
     from torch.distributed import PrefixStore
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
@@ -162,16 +229,20 @@ def join_data_plane(
         topology=topology,
         global_rank=global_rank,
         connect_timeout_s=connect_timeout_s,
+        device_identity=device_identity,
     )
     transfer_timeout = timedelta(seconds=transfer_timeout_s)
     gloo = ProcessGroupGloo(PrefixStore("gloo", afd_store), global_rank, world, transfer_timeout)
-    nccl = None
+    nccl: dict[str, Any] = {}
     if nccl_device is not None:
         from torch.distributed.distributed_c10d import ProcessGroupNCCL
 
-        options = ProcessGroupNCCL.Options()
-        options._timeout = transfer_timeout
-        nccl = ProcessGroupNCCL(PrefixStore("nccl", afd_store), global_rank, world, options)
+        for direction in (A2F, F2A):
+            options = ProcessGroupNCCL.Options()
+            options._timeout = timedelta(seconds=nccl_timeout_s or transfer_timeout_s)
+            nccl[direction] = ProcessGroupNCCL(
+                PrefixStore(f"nccl-{direction}", afd_store), global_rank, world, options
+            )
     # Nobody leaves init (and attention rank 0 may not take the store down) before
     # every rank has finished building its backends.
     afd_store.set(f"ready/{global_rank}", "1")

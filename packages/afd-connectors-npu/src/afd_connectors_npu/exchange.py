@@ -29,6 +29,7 @@ from afd_core.errors import (
     AFDConfigError,
     AFDConnectorClosedError,
     AFDConnectorError,
+    AFDTimeoutError,
     AFDTransferMismatchError,
 )
 from afd_core.transfer import AttentionToFFN, FFNToAttention, PayloadKind, TransferHeader
@@ -44,6 +45,8 @@ EXTRA_CONFIG_KEYS: Mapping[str, type] = {
 """``connector_extra_config`` keys of the CAM connectors and their types."""
 
 _F2A_KINDS = frozenset(k for k in PayloadKind if k.is_ffn_to_attention)
+# The FFN side's wait for the next step re-arms the CAM receive this often.
+_IDLE_POLL_S = 1.0
 _A2F_FIELDS = ("hidden_states", "topk_ids", "topk_weights", "router_logits", "token_ids")
 
 
@@ -241,11 +244,19 @@ class CAMConnector(AFDConnector):
                 "not call recv_from_attention"
             )
         timeout = self._timeout(timeout_s)
-        deadline = time.monotonic() + timeout
         received: list[tuple[A2EMeta, AttentionToFFN]] = []
+        idle = timeout_s is None
+        deadline = time.monotonic() + timeout
         for peer in self._peers:
-            remaining = max(0.0, deadline - time.monotonic())
-            meta, payload = self.codec.decode(self._take_a2f(ops, peer, remaining))
+            if idle:
+                # The next step has no deadline; once its first message is here, the rest
+                # of the step is bounded by transfer_timeout_s.
+                message = self._wait_next_step(ops, peer)
+                deadline = time.monotonic() + timeout
+                idle = False
+            else:
+                message = self._take_a2f(ops, peer, max(0.0, deadline - time.monotonic()))
+            meta, payload = self.codec.decode(message)
             if meta.sender != peer:
                 raise AFDTransferMismatchError(
                     f"{self.label}: message from attention rank {peer} says it was sent by "
@@ -304,6 +315,22 @@ class CAMConnector(AFDConnector):
                     f"{self.label}: {method}() before init(); call init() first"
                 )
             return self._ops
+
+    def _wait_next_step(self, ops: CAMOps, peer: int) -> A2EMessage:
+        """The first message of the next step from ``peer``, however long it takes.
+
+        The CAM operators take a finite timeout, so the wait is re-armed every
+        :data:`_IDLE_POLL_S`; close() and peer loss end it as they end any receive.
+        """
+        poll = min(_IDLE_POLL_S, self.config.transfer_timeout_s)
+        while True:
+            try:
+                return self._take_a2f(ops, peer, poll)
+            except AFDTimeoutError:
+                if self._closed:
+                    raise AFDConnectorClosedError(
+                        f"{self.label} was closed while waiting for the next step"
+                    ) from None
 
     def _timeout(self, timeout_s: float | None) -> float:
         return self.config.transfer_timeout_s if timeout_s is None else float(timeout_s)

@@ -164,10 +164,11 @@ class VendorCAMOps:
         self._closed = False
 
     # -- meta side channel ------------------------------------------------------------------
-    def _next(self, family: str, src: int, dst: int) -> str:
+    def _next(self, family: str, src: int, dst: int, *, advance: bool = True) -> str:
         with self._lock:
             n = self._seq.get((family, src, dst), 0)
-            self._seq[(family, src, dst)] = n + 1
+            if advance:
+                self._seq[(family, src, dst)] = n + 1
         return f"afd-cam/{family}/{src}->{dst}/{n}"
 
     def _put_meta(self, family: str, peer: int, meta: tuple[int, ...]) -> None:
@@ -178,7 +179,9 @@ class VendorCAMOps:
         if self._closed:
             raise AFDConnectorClosedError(f"CAM {family}: receive after close()")
         src = self.topology.global_rank(_other(self.key[0]), peer)
-        key = self._next(family, src, self._global)
+        # The sequence number advances only once the message is here: a receive that timed
+        # out can be retried (the FFN side re-arms its wait for the next step).
+        key = self._next(family, src, self._global, advance=False)
         try:
             self._store.wait([key], timedelta(seconds=timeout_s))
         except Exception as exc:  # TCPStore raises a plain RuntimeError/DistStoreError on timeout
@@ -186,6 +189,7 @@ class VendorCAMOps:
                 f"CAM {family}: nothing from {_other(self.key[0]).value} rank {peer} within "
                 f"{timeout_s:g} s ({exc})"
             ) from exc
+        self._next(family, src, self._global)
         value = self._store.get(key)
         self._store.delete_key(key)
         return tuple(int(v) for v in json.loads(value))

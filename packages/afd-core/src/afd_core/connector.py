@@ -175,12 +175,22 @@ class AFDConnector(abc.ABC):
     def recv_from_ffn(
         self, *, layer_idx: int, micro_batch_idx: int = 0, timeout_s: float | None = None
     ) -> FFNToAttention:
-        """Receive the F->A result of a payload sent earlier with the same indices."""
+        """Receive the F->A result of a payload sent earlier with the same indices.
+
+        Bounded by ``timeout_s`` (default ``transfer_timeout_s``): the step has started.
+        """
 
     # -- FFN side ------------------------------------------------------------
     @abc.abstractmethod
     def recv_from_attention(self, *, timeout_s: float | None = None) -> FFNBatch:
-        """Receive the next layer from every attention peer of this rank, concatenated."""
+        """Receive the next layer from every attention peer of this rank, concatenated.
+
+        Without ``timeout_s`` this is the FFN side's wait for the next step, which has no
+        deadline: it ends when a message arrives, the connector is closed or a peer is
+        lost (an idle deployment must not die). Once the first peer's message of the step
+        has arrived the step has started, and the rest of it is bounded by
+        ``transfer_timeout_s``. With ``timeout_s`` the whole receive is bounded by it.
+        """
 
     @abc.abstractmethod
     def send_to_attention(self, batch: FFNBatch, result: FFNToAttention) -> None:

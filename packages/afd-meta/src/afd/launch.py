@@ -22,6 +22,12 @@ during start-up raises :class:`DeploymentError` with its last log lines.
 
 ``DeploymentSpec(native=True)`` runs one plain vLLM OpenAI API server with the same
 engine arguments instead: the baseline for ``afd demo`` and ``afd bench``.
+
+Devices: on a host with visible CUDA devices ``[g0, g1, ...]`` (``CUDA_VISIBLE_DEVICES``,
+else ``nvidia-smi -L``; nothing is imported for it) every role process gets its own:
+the attention server (its DP ranks) ``g0..g(A-1)``, FFN rank ``f`` ``g(A+f)``, the native
+baseline ``g0`` (:func:`assign_devices`). Per role, ``devices`` in ``[attention]`` /
+``[ffn]`` or ``CUDA_VISIBLE_DEVICES`` in the role's ``env`` overrides it. See docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -44,7 +51,7 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -58,6 +65,10 @@ __all__ = [
     "RoleProcess",
     "SpecError",
     "allocate_ports",
+    "assign_devices",
+    "detect_cuda_devices",
+    "parse_nvidia_smi_list",
+    "parse_visible_devices",
     "prefix_lines",
     "role_env",
 ]
@@ -65,6 +76,7 @@ __all__ = [
 DEFAULT_KV_CACHE_BYTES = 64 * 1024 * 1024
 FFN_READY_MARKER = "AFD FFN server ready"  # afd.ffn_server.READY_MARKER (no vLLM import here)
 TAIL_LINES = 30
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 # vLLM options the launcher sets itself (per role); users set them with spec fields.
 _MANAGED_VLLM_OPTIONS = {
@@ -108,6 +120,10 @@ class RoleOverrides:
     """Checkpoint for this role only (default: the spec's ``model``)."""
     vllm_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    devices: str | list[str] | None = None
+    """CUDA devices, one per rank of the role (``"0,1"`` or ``["0", "1"]``; entries as in
+    ``CUDA_VISIBLE_DEVICES``): the attention server gets all of them (DP rank i on the
+    i-th), FFN rank f the f-th. Default (None): assigned from the visible devices."""
 
 
 @dataclass
@@ -207,11 +223,25 @@ class DeploymentSpec:
                 ov = _overrides_from_mapping(role, ov)
                 setattr(self, role, ov)
             if not isinstance(ov, RoleOverrides):
-                raise fail(role, "a table with model / vllm_args / env", ov)
+                raise fail(role, "a table with model / vllm_args / env / devices", ov)
             if ov.model is not None and (not isinstance(ov.model, str) or not ov.model.strip()):
                 raise fail(f"{role}.model", "a checkpoint directory or model name", ov.model)
             ov.vllm_args = _check_args(f"{role}.vllm_args", ov.vllm_args)
             ov.env = _check_env(f"{role}.env", ov.env)
+            ranks = self.num_attention if role == "attention" else self.num_ffn
+            ov.devices = _check_devices(f"{role}.devices", ov.devices, ranks)
+            if ov.devices is not None and CUDA_VISIBLE_DEVICES in ov.env:
+                raise SpecError(
+                    f"{role}.devices and {role}.env.{CUDA_VISIBLE_DEVICES} are both set; "
+                    "keep one of them"
+                )
+        if self.attention.devices and self.ffn.devices and not self.native:
+            shared = sorted(set(self.attention.devices) & set(self.ffn.devices))
+            if shared:
+                raise SpecError(
+                    f"ffn.devices: {','.join(shared)} also in attention.devices; every rank "
+                    "needs its own device (NCCL refuses two ranks on one device)"
+                )
         self._check_afd()
 
     def _check_afd(self) -> None:
@@ -345,6 +375,39 @@ def _check_env(name: str, env: Any) -> dict[str, str]:
     return out
 
 
+_DEVICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_:./-]*$")
+
+
+def _check_devices(name: str, value: Any, ranks: int) -> list[str] | None:
+    """``devices`` of a role: ``"0,1"`` or a list of entries, exactly one per rank."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        items: list[Any] = value.split(",")
+    elif isinstance(value, Sequence) and not isinstance(value, bytes):
+        items = list(value)
+    else:
+        raise SpecError(f'{name}: expected "0,1" or a list of device ids, got {value!r}')
+    out = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, str | int):
+            raise SpecError(f"{name}: expected device ids (str or int), got item {item!r}")
+        s = str(item).strip()
+        if not _DEVICE_ID.match(s):
+            raise SpecError(
+                f"{name}: {s!r} is not a device id (an index like 0 or a UUID like GPU-...)"
+            )
+        out.append(s)
+    if len(out) != ranks:
+        raise SpecError(
+            f"{name}: {len(out)} device(s) {','.join(out)} for {ranks} rank(s); give exactly "
+            "one device per rank"
+        )
+    if len(set(out)) != len(out):
+        raise SpecError(f"{name}: a device is listed twice in {','.join(out)}")
+    return out
+
+
 def _overrides_from_mapping(role: str, table: Mapping[str, Any]) -> RoleOverrides:
     names = [f.name for f in dataclasses.fields(RoleOverrides)]
     for key in table:
@@ -419,6 +482,113 @@ def allocate_ports(spec: DeploymentSpec, *, avoid: Iterable[int] = ()) -> tuple[
             s.close()
 
 
+# --------------------------------------------------------------------------- devices
+
+
+def parse_visible_devices(value: str) -> list[str]:
+    """The entries of a ``CUDA_VISIBLE_DEVICES`` value (CUDA stops at an invalid one;
+    an empty value hides every device)."""
+    out = []
+    for entry in value.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        out.append(entry)
+    return out
+
+
+def parse_nvidia_smi_list(output: str) -> list[str]:
+    """CUDA device indices ``["0", ..., "n-1"]`` for the ``GPU i: ...`` lines of
+    ``nvidia-smi -L`` (its indented MIG lines are not counted)."""
+    n = len(re.findall(r"^GPU \d+:", output, flags=re.MULTILINE))
+    return [str(i) for i in range(n)]
+
+
+def _run_nvidia_smi(cmd: list[str]) -> str | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def detect_cuda_devices(
+    environ: Mapping[str, str] | None = None,
+    run: Callable[[list[str]], str | None] = _run_nvidia_smi,
+) -> list[str]:
+    """The host's visible CUDA devices, without importing torch or vLLM.
+
+    ``CUDA_VISIBLE_DEVICES`` in ``environ`` (default ``os.environ``), when set, is the
+    list; otherwise one index per ``GPU`` line of ``nvidia-smi -L`` (``run`` returns its
+    output, or None when it is missing or fails). ``[]``: a CPU host.
+    """
+    env = os.environ if environ is None else environ
+    if CUDA_VISIBLE_DEVICES in env:
+        return parse_visible_devices(env[CUDA_VISIBLE_DEVICES])
+    output = run(["nvidia-smi", "-L"])
+    return parse_nvidia_smi_list(output) if output else []
+
+
+def assign_devices(
+    num_attention: int,
+    num_ffn: int,
+    visible: Sequence[str],
+    *,
+    attention: str | Sequence[str] | None = None,
+    ffn: Sequence[str] | None = None,
+) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` per role process: ``{"attn": ..., "ffn0": ..., ...}``.
+
+    One device per rank, attention ranks first: the attention server (whose DP rank i
+    vLLM places on its i-th visible device) gets ``visible[0:num_attention]``, FFN rank
+    f ``visible[num_attention + f]``. ``attention`` (the server's whole value) and
+    ``ffn`` (one value per FFN rank) are explicit settings; they are used as given, and
+    the other role keeps its default positions. With no visible device (a CPU host) only
+    explicit settings are returned. Raises :class:`DeploymentError` naming how many
+    devices are needed and found when the default positions do not exist.
+    """
+    if ffn is not None and len(ffn) != num_ffn:
+        raise ValueError(f"ffn: {len(ffn)} device values for {num_ffn} FFN ranks")
+    needed = 0
+    if attention is None:
+        needed = num_attention
+    if ffn is None and num_ffn:
+        needed = num_attention + num_ffn
+    if visible and len(visible) < needed:
+        shape = f"{num_attention}A{num_ffn}F" if num_ffn else "one server"
+        raise DeploymentError(
+            f"{shape} needs {needed} CUDA devices (one per rank: attention ranks first, "
+            f"then FFN ranks; NCCL refuses two ranks on one device), found {len(visible)} "
+            f"({','.join(visible)}); set [attention] devices / [ffn] devices (or "
+            f"{CUDA_VISIBLE_DEVICES} in a role's env) to choose the devices yourself"
+        )
+    out: dict[str, str] = {}
+    if attention is not None:
+        out["attn"] = attention if isinstance(attention, str) else ",".join(attention)
+    elif visible:
+        out["attn"] = ",".join(visible[:num_attention])
+    for f in range(num_ffn):
+        if ffn is not None:
+            out[f"ffn{f}"] = ffn[f]
+        elif visible:
+            out[f"ffn{f}"] = visible[num_attention + f]
+    return out
+
+
+def _shared_devices(devices: Mapping[str, str]) -> list[str]:
+    """Warnings for devices that two role processes would both use."""
+    owner: dict[str, str] = {}
+    out = []
+    for name, value in devices.items():
+        for d in parse_visible_devices(value):
+            if d in owner and owner[d] != name:
+                out.append(f"{owner[d]} and {name} share device {d}")
+            owner.setdefault(d, name)
+    return out
+
+
 # --------------------------------------------------------------------------- processes
 
 
@@ -431,8 +601,11 @@ def prefix_lines(prefix: str, text: str) -> str:
     return out if out.endswith("\n") else out + "\n"
 
 
-def role_env(spec: DeploymentSpec, role: str, tmp_dir: Path) -> dict[str, str]:
-    """Environment of one role process."""
+def role_env(
+    spec: DeploymentSpec, role: str, tmp_dir: Path, devices: str | None = None
+) -> dict[str, str]:
+    """Environment of one role process; ``devices``: its ``CUDA_VISIBLE_DEVICES``
+    (from :func:`assign_devices`; the role's own ``env`` still wins)."""
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB; it overrides kv_cache_memory_bytes
     env["TMPDIR"] = str(tmp_dir)
@@ -440,6 +613,8 @@ def role_env(spec: DeploymentSpec, role: str, tmp_dir: Path) -> dict[str, str]:
     if "VLLM_TARGET_DEVICE" not in env and _is_vllm_cpu_dist():
         env["VLLM_TARGET_DEVICE"] = "cpu"
     env.update(spec.env)
+    if devices is not None:
+        env[CUDA_VISIBLE_DEVICES] = devices
     if role in ("attention", "ffn"):
         env.update(getattr(spec, role).env)
     return env
@@ -610,6 +785,9 @@ class Deployment:
     ``with Deployment(spec) as dep:`` starts every role and waits until all are ready
     (or raises :class:`DeploymentError`); leaving the block stops them.
     ``echo=False`` keeps role output in the log files only (progress is still shown).
+    ``visible_devices``: the host's CUDA devices (default: :func:`detect_cuda_devices`
+    on the roles' environment, so ``CUDA_VISIBLE_DEVICES`` in the spec's ``env`` is the
+    list to assign from); ``[]`` assigns none.
     """
 
     def __init__(
@@ -620,8 +798,12 @@ class Deployment:
         echo: bool = True,
         progress_every_s: float = 15.0,
         name: str = "afd",
+        visible_devices: Sequence[str] | None = None,
     ) -> None:
         self.spec = spec
+        self.visible_devices = None if visible_devices is None else list(visible_devices)
+        self.devices: dict[str, str] | None = None
+        """``CUDA_VISIBLE_DEVICES`` per role process name (see :meth:`plan_devices`)."""
         self.console = console if console is not None else sys.stderr
         self.echo = echo
         self.progress_every_s = progress_every_s
@@ -652,10 +834,49 @@ class Deployment:
             self.console.write(f"[{self.name}] {msg}\n")
             self.console.flush()
 
+    # -- devices -------------------------------------------------------------------
+    def plan_devices(self) -> dict[str, str]:
+        """``CUDA_VISIBLE_DEVICES`` per role process (``attn``, ``ffn0``..., ``native0``):
+        the spec's ``devices`` / role ``env`` where set, else :func:`assign_devices`."""
+        spec = self.spec
+        if self.visible_devices is None:
+            self.visible_devices = detect_cuda_devices({**os.environ, **spec.env})
+        visible = self.visible_devices
+        attention: str | list[str] | None = spec.attention.env.get(CUDA_VISIBLE_DEVICES)
+        if attention is None and isinstance(spec.attention.devices, list):
+            attention = spec.attention.devices
+        if spec.native:
+            planned = assign_devices(1, 0, visible, attention=attention)
+            self.devices = {"native0": planned["attn"]} if "attn" in planned else {}
+            return self.devices
+        ffn_env = spec.ffn.env.get(CUDA_VISIBLE_DEVICES)
+        ffn = [ffn_env] * spec.num_ffn if ffn_env is not None else spec.ffn.devices
+        self.devices = assign_devices(
+            spec.num_attention,
+            spec.num_ffn,
+            visible,
+            attention=attention,
+            ffn=ffn if isinstance(ffn, list) else None,
+        )
+        return self.devices
+
+    def _say_devices(self) -> None:
+        assert self.devices is not None
+        visible = self.visible_devices or []
+        if not self.devices:
+            self.say(f"devices: no CUDA device visible; {CUDA_VISIBLE_DEVICES} left as is")
+            return
+        per_role = ", ".join(f"{k}={v}" for k, v in self.devices.items())
+        seen = f"{len(visible)} visible: {','.join(visible)}" if visible else "none visible"
+        self.say(f"devices ({CUDA_VISIBLE_DEVICES} per role): {per_role} ({seen})")
+        for warning in _shared_devices(self.devices):
+            self.say(f"WARNING: {warning}; NCCL refuses two ranks on one device")
+
     # -- commands ------------------------------------------------------------------
     def _build_roles(self) -> None:
         spec = self.spec
         assert self.work_dir is not None and self.log_dir is not None
+        devices = self.devices if self.devices is not None else self.plan_devices()
         tmp = self.tmp_dir = role_tmp_dir(self.work_dir)
         py = sys.executable
         if spec.native:
@@ -667,7 +888,7 @@ class Deployment:
                 "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
                 "--host", spec.host, "--port", str(port),
             ]  # fmt: skip
-            env = role_env(spec, "attention", tmp)
+            env = role_env(spec, "attention", tmp, devices.get("native0"))
             self.roles.append(
                 RoleProcess(
                     "native0", "native", 0, cmd, env, self.log_dir / "native0.log", http_url=url
@@ -687,7 +908,7 @@ class Deployment:
                     "ffn",
                     rank,
                     cmd,
-                    role_env(spec, "ffn", tmp),
+                    role_env(spec, "ffn", tmp, devices.get(f"ffn{rank}")),
                     self.log_dir / f"ffn{rank}.log",
                 )
             )
@@ -713,7 +934,7 @@ class Deployment:
                 "attention",
                 0,
                 cmd,
-                role_env(spec, "attention", tmp),
+                role_env(spec, "attention", tmp, devices.get("attn")),
                 self.log_dir / "attn.log",
                 http_url=f"http://{spec.host}:{port}",
             )
@@ -723,6 +944,7 @@ class Deployment:
     def start(self) -> Deployment:
         spec = self.spec
         self.started_at = time.monotonic()
+        self.plan_devices()  # a missing device fails here, before anything is started
         self.work_dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-launch-"))
         self.log_dir = Path(spec.log_dir).expanduser() if spec.log_dir else self.work_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -734,6 +956,7 @@ class Deployment:
             + (f"(connector port {self.connector_port}) " if not spec.native else "")
             + f"logs in {self.log_dir}"
         )
+        self._say_devices()
         console = self.console if self.echo else None
         try:
             for role in self.roles:  # FFN servers first, then the attention servers
@@ -932,6 +1155,10 @@ def spec_from_args(args: Any) -> DeploymentSpec:
     for k, v in flags.items():
         if v is not None:
             data[k] = v
+    for role, devices in (("attention", args.attention_devices), ("ffn", args.ffn_devices)):
+        if devices is not None:
+            table = data.get(role, {})
+            data[role] = {**table, "devices": devices} if isinstance(table, Mapping) else table
     if args.model is not None:
         data["model"] = (
             str(Path(args.model).expanduser().absolute())
@@ -966,6 +1193,18 @@ def add_launch_arguments(ap: Any) -> None:
     ap.add_argument("--http-port", type=int, help="HTTP port of attention server 0 (0 = free)")
     ap.add_argument("--connector-port", type=int, help="AFD rendezvous port (0 = free)")
     ap.add_argument("--log-dir", help="per-role log files (default: a temporary folder)")
+    ap.add_argument(
+        "--attention-devices",
+        metavar="IDS",
+        help="CUDA devices of the attention ranks, one per rank (e.g. 0,1; default: the "
+        "first visible ones)",
+    )
+    ap.add_argument(
+        "--ffn-devices",
+        metavar="IDS",
+        help="CUDA devices of the FFN ranks, one per rank (e.g. 2; default: the visible "
+        "ones after the attention ranks)",
+    )
     ap.add_argument("--startup-timeout", type=float, help="seconds (default 600)")
     ap.add_argument(
         "--native",

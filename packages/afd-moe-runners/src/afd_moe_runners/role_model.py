@@ -41,6 +41,7 @@ __all__ = [
     "afd_config_of",
     "attention_factory",
     "check_supported_parallelism",
+    "compiled_graph_problem",
     "layer_index",
     "no_yield",
     "parameter_inventory",
@@ -67,6 +68,10 @@ def check_supported_parallelism(vllm_config: VllmConfig, model_name: str) -> Non
     """
     afd = afd_config_of(vllm_config)
     get_connector_class(afd.connector).check_deployment(afd, vllm_config)
+    if afd.role is AFDRole.ATTENTION:
+        problem = compiled_graph_problem(vllm_config, _current_device_type(), model_name)
+        if problem is not None:
+            raise AFDConfigError(problem)
     pc = vllm_config.parallel_config
     for name, value in (
         ("tensor_parallel_size", pc.tensor_parallel_size),
@@ -80,6 +85,53 @@ def check_supported_parallelism(vllm_config: VllmConfig, model_name: str) -> Non
             )
     if pc.enable_eplb:
         raise AFDConfigError(f"{model_name}: EPLB is not supported by afd yet; disable it")
+
+
+# Platforms whose compiled / graph-captured forward afd refuses (the AFD exchange in each
+# MoE layer is plain Python: locks, connector calls, polling; Dynamo cannot trace it and a
+# CUDA graph cannot capture it). Other platforms (Ascend) decide in their connectors.
+_EAGER_ONLY_PLATFORMS = frozenset({"cpu", "cuda", "rocm"})
+
+
+def _current_device_type() -> str:
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def compiled_graph_problem(vllm_config: Any, platform: str, model_name: str) -> str | None:
+    """Why the Attention role cannot run this engine's compile / CUDA-graph settings on
+    ``platform`` (vLLM's device type), or None.
+
+    Measured on vLLM 0.32 CPU: without ``--enforce-eager`` the engine fails in its
+    warm-up with Dynamo's "Unsupported context manager" inside the AFD runner; on CUDA
+    vLLM also compiles with fullgraph and captures CUDA graphs, which the exchange cannot
+    join. So afd refuses both at start-up, naming the flag that fixes it.
+    """
+    if platform not in _EAGER_ONLY_PLATFORMS:
+        return None
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "enforce_eager", False):
+        return None
+    cc = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(cc, "mode", None)
+    graphs = getattr(cc, "cudagraph_mode", None)
+    compiled = mode is not None and int(mode) != 0
+    captured = graphs is not None and getattr(graphs, "name", str(graphs)) != "NONE"
+    if not (compiled or captured):
+        return None
+    what = []
+    if compiled:
+        what.append(f"compilation mode {getattr(mode, 'name', mode)}")
+    if captured:
+        what.append(f"CUDA graph mode {getattr(graphs, 'name', graphs)}")
+    return (
+        f"{model_name}: torch.compile and CUDA graphs are not supported by afd yet on "
+        f"{platform} ({' and '.join(what)}): the per-layer AFD exchange runs as plain "
+        "Python that Dynamo cannot trace and a CUDA graph cannot capture. Start the "
+        "Attention role with --enforce-eager (vllm.LLM(..., enforce_eager=True); afd "
+        "launch sets it by default)"
+    )
 
 
 def layer_index(prefix: str) -> int:

@@ -596,7 +596,9 @@ def _timeout_run(connector: AFDConnector, ctx: RankContext, receiver: AFDRole) -
         time.sleep(_TIMEOUT_S + _TIMEOUT_HOLD_S)
         return None
     if ctx.role is AFDRole.FFN:
-        return _timed(lambda: connector.recv_from_attention())
+        # An explicit timeout_s bounds the FFN's wait (without one it waits for the next
+        # step as long as the peers live: see the ffn_idle_wait scenario).
+        return _timed(lambda: connector.recv_from_attention(timeout_s=_TIMEOUT_S))
     return _timed(lambda: connector.recv_from_ffn(layer_idx=0))
 
 
@@ -635,6 +637,98 @@ def _timeout_ffn_run(connector: AFDConnector, ctx: RankContext) -> Any:
 
 def _timeout_ffn_check(results: Results, topology: AFDTopology) -> None:
     _timeout_check(results, topology, AFDRole.FFN)
+
+
+# ---------------------------------------------------------------------------------
+# scenario: the FFN side waits for the next step without a deadline
+# ---------------------------------------------------------------------------------
+
+_IDLE_S = 4 * _TIMEOUT_S
+
+
+def _idle_run(connector: AFDConnector, ctx: RankContext) -> Any:
+    # transfer_timeout_s is _TIMEOUT_S; the attention side stays silent for several times
+    # that before its first layer. Waiting for the next step is not a transfer.
+    if ctx.role is AFDRole.FFN:
+        start = time.monotonic()
+        seen = _serve(connector, ctx, 1, keep_tensors=True)
+        return {"seen": seen, "elapsed": time.monotonic() - start}
+    time.sleep(_IDLE_S)
+    hidden = make_hidden(ctx.rank, 3, 0, 2 + ctx.rank, 8, torch.float32)
+    connector.send_to_ffn(AttentionToFFN(hidden), layer_idx=3)
+    return connector.recv_from_ffn(layer_idx=3).output
+
+
+def _idle_check(results: Results, topology: AFDTopology) -> None:
+    for a in range(topology.num_attention_ranks):
+        want = ffn_function(make_hidden(a, 3, 0, 2 + a, 8, torch.float32), 3)
+        _assert_tensor(
+            f"attention rank {a} after an idle wait", _ok(results, ("attention", a)), want
+        )
+    for f in range(topology.num_ffn_ranks):
+        if f in topology.idle_ffn_ranks:
+            continue
+        got = _ok(results, ("ffn", f))
+        if len(got["seen"]) != 1 or got["elapsed"] < 0.9 * _IDLE_S:
+            raise AssertionError(
+                f"ffn rank {f}: expected one batch after waiting about {_IDLE_S} s, got "
+                f"{len(got['seen'])} after {got['elapsed']:.2f} s"
+            )
+
+
+# ---------------------------------------------------------------------------------
+# scenario: once a step started (one peer's message arrived), the rest is bounded
+# ---------------------------------------------------------------------------------
+
+
+def _first_peer_of_fan_in(ctx: RankContext) -> bool | None:
+    """For an attention rank: True if it is the first of >= 2 peers of its FFN rank, False
+    if it is a later one, None if its FFN rank serves it alone."""
+    peers = ctx.topology.attention_peers_of(ctx.topology.ffn_peer_of(ctx.rank))
+    if len(peers) < 2:
+        return None
+    return peers[0] == ctx.rank
+
+
+def _started_run(connector: AFDConnector, ctx: RankContext) -> Any:
+    if ctx.role is AFDRole.FFN:
+        if ctx.is_idle:
+            return None
+        if len(ctx.peers) < 2:
+            return {"served": _serve(connector, ctx, 1), "error": None}
+        return _timed(lambda: connector.recv_from_attention())
+    role = _first_peer_of_fan_in(ctx)
+    if role is False:  # a later peer stays silent past the timeout: the step is stuck
+        time.sleep(_TIMEOUT_S + _TIMEOUT_HOLD_S)
+        return None
+    hidden = make_hidden(ctx.rank, 0, 0, 2, 8, torch.float32)
+    connector.send_to_ffn(AttentionToFFN(hidden), layer_idx=0)
+    if role is None:
+        return connector.recv_from_ffn(layer_idx=0).output
+    time.sleep(_TIMEOUT_S + _TIMEOUT_HOLD_S)  # no answer will come
+    return None
+
+
+def _started_check(results: Results, topology: AFDTopology) -> None:
+    for f in range(topology.num_ffn_ranks):
+        if f in topology.idle_ffn_ranks:
+            continue
+        got = _ok(results, ("ffn", f))
+        if len(topology.attention_peers_of(f)) < 2:
+            continue
+        if not isinstance(got["error"], AFDTimeoutError):
+            raise AssertionError(
+                f"ffn rank {f}: one peer sent, another stayed silent; expected "
+                f"AFDTimeoutError after transfer_timeout_s={_TIMEOUT_S}, got {got['error']!r}"
+            )
+        if got["elapsed"] > _TIMEOUT_S + 2.5:
+            raise AssertionError(
+                f"ffn rank {f}: the started step timed out only after {got['elapsed']:.2f} s"
+            )
+
+
+def _has_fan_in(topology: AFDTopology) -> bool:
+    return any(len(topology.attention_peers_of(f)) >= 2 for f in range(topology.num_ffn_ranks))
 
 
 # ---------------------------------------------------------------------------------
@@ -718,6 +812,19 @@ SCENARIOS: tuple[Scenario, ...] = (
         _timeout_ffn_run,
         _timeout_ffn_check,
         MappingProxyType({"transfer_timeout_s": _TIMEOUT_S}),
+    ),
+    Scenario(
+        "ffn_idle_wait",
+        _idle_run,
+        _idle_check,
+        MappingProxyType({"transfer_timeout_s": _TIMEOUT_S}),
+    ),
+    Scenario(
+        "started_step_is_bounded",
+        _started_run,
+        _started_check,
+        MappingProxyType({"transfer_timeout_s": _TIMEOUT_S}),
+        requires=_has_fan_in,
     ),
     Scenario("close_unblocks_receive", _close_run, _close_check),
 )

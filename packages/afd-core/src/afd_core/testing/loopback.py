@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -194,6 +195,9 @@ class LoopbackAFDConnector(AFDConnector):
                             "connector (peer gone)"
                         )
                     return box.popleft()
+                if deadline == math.inf:  # the next step: no deadline
+                    hub.cond.wait()
+                    continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise AFDTimeoutError(
@@ -240,8 +244,15 @@ class LoopbackAFDConnector(AFDConnector):
                 f"{self._who}: this FFN rank has no attention peers "
                 f"(idle in topology {self.topology.label}); do not run a receive loop on it"
             )
-        deadline, timeout = self._deadline(timeout_s)
-        messages = [self._get(hub, peer, deadline, timeout) for peer in peers]
+        if timeout_s is None:
+            # The next step has no deadline; once its first message is here, the rest of
+            # the step is bounded by transfer_timeout_s.
+            messages = [self._get(hub, peers[0], math.inf, self.config.transfer_timeout_s)]
+            deadline, timeout = self._deadline(None)
+        else:
+            deadline, timeout = self._deadline(timeout_s)
+            messages = []
+        messages += [self._get(hub, peer, deadline, timeout) for peer in peers[len(messages) :]]
         first = messages[0].header
         for peer, message in zip(peers[1:], messages[1:], strict=True):
             h = message.header

@@ -1,0 +1,97 @@
+"""How the NCCL connector fails, with fakes at the NCCL boundary (no GPU here).
+
+``FakeNcclWork`` / ``FakeNcclGroup`` stand in for torch's NCCL work objects and process
+groups; everything else is the real connector. The error text is the one torch 2.11 /
+NCCL 2.28 raised on an H200 when two ranks shared a GPU (recorded by tools/gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from afd_connectors_gpu.p2p import P2pNcclAFDConnector
+from afd_connectors_gpu.rendezvous import A2F, F2A, DataPlaneGroup
+from afd_core.config import AFDConfig
+from afd_core.errors import AFDPeerLostError, AFDTimeoutError
+
+NCCL_DUPLICATE_GPU = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, invalid usage "
+    "(run with NCCL_DEBUG=WARN for details), NCCL version 2.28.9\n"
+    "ncclInvalidUsage: This usually reflects invalid usage of NCCL library.\n"
+    "Last error:\n"
+    "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 60"
+)
+
+
+class FakeNcclWork:
+    """A fake NCCL work: never completes, or raises ``error`` on wait()."""
+
+    def __init__(self, error: str | None = None) -> None:
+        self.error = error
+
+    def is_completed(self) -> bool:
+        return self.error is not None
+
+    def wait(self, *args: Any) -> None:
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+
+class FakeNcclGroup:
+    """A fake NCCL process group that records abort()."""
+
+    def __init__(self) -> None:
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def _connector(timeout: float = 0.3) -> tuple[P2pNcclAFDConnector, dict[str, FakeNcclGroup]]:
+    config = AFDConfig(
+        role="ffn",
+        connector="P2pNcclAFDConnector",
+        num_attention_ranks=1,
+        num_ffn_ranks=1,
+        transfer_timeout_s=timeout,
+    )
+    conn = P2pNcclAFDConnector(config, rank=0)
+    fakes = {A2F: FakeNcclGroup(), F2A: FakeNcclGroup()}
+    conn._group = DataPlaneGroup(store=None, gloo=None, nccl=dict(fakes))
+    return conn, fakes
+
+
+def test_an_nccl_error_aborts_both_communicators_and_gives_nccls_reason() -> None:
+    conn, fakes = _connector()
+    deadline = time.monotonic() + 5
+    with pytest.raises(AFDPeerLostError) as err:
+        conn._wait_data(FakeNcclWork(NCCL_DUPLICATE_GPU), 0, deadline, 5.0, "receiving from")
+    text = str(err.value)
+    assert "NCCL failed while receiving from attention rank 0" in text
+    assert "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 60" in text
+    assert "is gone" not in text
+    assert all(g.aborted for g in fakes.values())
+    with pytest.raises(AFDPeerLostError, match="create a new connector"):
+        conn._check_peer(0)
+
+
+def test_a_late_nccl_operation_times_out_and_aborts_the_communicators() -> None:
+    conn, fakes = _connector(timeout=0.3)
+    start = time.monotonic()
+    with pytest.raises(AFDTimeoutError, match="NCCL communicators were aborted"):
+        conn._wait_data(FakeNcclWork(), 0, start + 0.3, 0.3, "receiving from")
+    assert 0.25 <= time.monotonic() - start < 2.0
+    assert all(g.aborted for g in fakes.values())
+
+
+def test_a_dead_peer_seen_by_the_watcher_ends_an_nccl_wait() -> None:
+    conn, fakes = _connector(timeout=30.0)
+    conn._lost[0] = "Connection closed by peer"
+    start = time.monotonic()
+    with pytest.raises(AFDPeerLostError, match="Connection closed by peer"):
+        conn._wait_data(FakeNcclWork(), 0, start + 30, 30.0, "receiving from")
+    assert time.monotonic() - start < 1.0
+    assert all(g.aborted for g in fakes.values())

@@ -1,0 +1,221 @@
+"""One-GPU checks of the NCCL connector, for a machine with CUDA but without vLLM.
+
+Usage (on the GPU host, with afd-core and afd-connectors-gpu importable)::
+
+    python tools/gpu_check.py --out gpu_check.json
+
+What it runs, each part in fresh spawned processes (one per AFD rank):
+
+1. ``same_gpu_refused``: a real ``P2pNcclAFDConnector`` 1A1F deployment with both ranks
+   on GPU 0 -> every rank's ``init()`` must raise ``AFDConfigError`` naming both ranks
+   and the device (what the join-time device check is for).
+2. ``nccl_exchange_<topo>``: NCCL's own verdict on two ranks of one GPU, and, if NCCL
+   allows it on this host, the connector's whole CUDA data path (per-peer buffer pool,
+   one communicator per direction, the NCCL wait loop, the peer watchers, the FFN's idle
+   wait) with a connector whose device check is switched off (``SameGpuNccl`` below, a
+   test-only subclass: on a real deployment the check stays on). Exact values are
+   checked (the FFN computes ``hidden * 2 + layer``); 2A1F puts two attention peers
+   of one FFN rank in the same size bucket every layer, which fails without per-peer
+   buffers.
+3. ``nccl_peer_loss``: the FFN side waiting in the NCCL receive while its attention
+   peer's process dies must raise ``AFDPeerLostError`` quickly (the gloo watcher).
+
+Prints one JSON document (also written to ``--out``). This is a tool, not a test: the
+GPU-marked tests need one GPU per rank (see docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+HIDDEN = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _connector(kind: str, role: str, rank: int, a: int, f: int, port: int, timeout: float) -> Any:
+    from afd_connectors_gpu.p2p import P2pNcclAFDConnector
+    from afd_core.config import AFDConfig
+
+    class SameGpuNccl(P2pNcclAFDConnector):
+        """Test-only: the join-time device check off, so one GPU can host two ranks."""
+
+        def _device_identity(self) -> str | None:
+            return None
+
+    cls = P2pNcclAFDConnector if kind == "real" else SameGpuNccl
+    config = AFDConfig(
+        role=role,
+        connector="P2pNcclAFDConnector",
+        num_attention_ranks=a,
+        num_ffn_ranks=f,
+        host="127.0.0.1",
+        port=port,
+        connect_timeout_s=60.0,
+        transfer_timeout_s=timeout,
+        num_micro_batches=2,
+        connector_extra_config={"device": 0, "max_num_tokens": 1024},
+    )
+    return cls(config, rank=rank)
+
+
+def _rank_main(part: str, role: str, rank: int, a: int, f: int, port: int, q: Any) -> None:
+    import torch
+
+    from afd_core.transfer import AttentionToFFN, FFNToAttention
+
+    result: dict[str, Any] = {"role": role, "rank": rank}
+    try:
+        if part == "same_gpu_refused":
+            conn = _connector("real", role, rank, a, f, port, 30.0)
+            try:
+                conn.init()
+                result["error"] = None
+            except Exception as exc:
+                result["error"] = f"{type(exc).__name__}: {exc}"
+            finally:
+                conn.close()
+        elif part == "exchange":
+            conn = _connector("same", role, rank, a, f, port, 2.0)
+            t0 = time.monotonic()
+            conn.init()
+            result["init_s"] = round(time.monotonic() - t0, 2)
+            layers, mismatches, rtts = 4, 0, []
+            if role == "ffn":
+                t0 = time.monotonic()
+                first = True
+                for _ in range(layers * 2 + 20):  # 4 layers x 2 micro-batches + timing
+                    batch = conn.recv_from_attention()
+                    if first:
+                        result["idle_wait_s"] = round(time.monotonic() - t0, 2)
+                        first = False
+                    h = batch.payload.hidden_states
+                    conn.send_to_attention(batch, FFNToAttention(h * 2 + batch.layer_idx))
+            else:
+                time.sleep(3 * 2.0)  # idle for 3x transfer_timeout_s before the first step
+                for layer in range(layers):
+                    sent = {}
+                    for mb in range(2):
+                        # Several sizes, all in one bucket (17..32) for every peer.
+                        n = 17 + (rank * 5 + layer * 3 + mb * 7) % 16
+                        g = torch.Generator(device="cuda").manual_seed(
+                            1000 * rank + 10 * layer + mb
+                        )
+                        h = torch.randn(n, HIDDEN, device="cuda:0", generator=g).to(torch.bfloat16)
+                        sent[mb] = h
+                        conn.send_to_ffn(AttentionToFFN(h), layer_idx=layer, micro_batch_idx=mb)
+                    for mb in range(2):
+                        out = conn.recv_from_ffn(layer_idx=layer, micro_batch_idx=mb).output
+                        if not torch.equal(out, sent[mb] * 2 + layer):
+                            mismatches += 1
+                result["mismatches"] = mismatches
+                h = torch.randn(64, 7168, device="cuda:0").to(torch.bfloat16)
+                for i in range(20):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    conn.send_to_ffn(AttentionToFFN(h), layer_idx=100 + i)
+                    conn.recv_from_ffn(layer_idx=100 + i)
+                    torch.cuda.synchronize()
+                    rtts.append(time.perf_counter() - t0)
+                result["rtt_ms_64x7168_median"] = round(sorted(rtts)[len(rtts) // 2] * 1e3, 3)
+            conn.close()
+            result["error"] = None
+        elif part == "peer_loss":
+            conn = _connector("same", role, rank, a, f, port, 30.0)
+            conn.init()
+            if role == "attention":
+                h = torch.ones(8, HIDDEN, device="cuda:0", dtype=torch.bfloat16)
+                conn.send_to_ffn(AttentionToFFN(h), layer_idx=0)
+                conn.recv_from_ffn(layer_idx=0)
+                # Send only the frame of the next message, then die: the FFN side is then
+                # blocked in the NCCL receive of the tensor.
+                from afd_connectors_gpu.wire import Frame
+
+                frame = Frame(AttentionToFFN(h).header(1, 0), None, 0)
+                head = torch.tensor(frame.encode(), dtype=torch.int64)
+                conn._group.gloo.send([head], conn._peers[0], 0).wait()
+                time.sleep(1.0)
+                os._exit(0)
+            batch = conn.recv_from_attention()
+            conn.send_to_attention(batch, FFNToAttention(batch.payload.hidden_states))
+            t0 = time.monotonic()
+            try:
+                conn.recv_from_attention()
+                result["error"] = None
+            except Exception as exc:
+                result["error"] = f"{type(exc).__name__}: {exc}"
+            result["detected_after_s"] = round(time.monotonic() - t0, 2)
+            conn.close()
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-3000:]
+    q.put(result)
+
+
+def _run(part: str, a: int, f: int, timeout: float = 120.0) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(part, role, r, a, f, port, q))
+        for role, n in (("attention", a), ("ffn", f))
+        for r in range(n)
+    ]
+    for p in procs:
+        p.start()
+    out: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    expected = len(procs) - (1 if part == "peer_loss" else 0)
+    while len(out) < expected and time.monotonic() < deadline:
+        try:
+            out.append(q.get(timeout=1.0))
+        except Exception:
+            if not any(p.is_alive() for p in procs):
+                break
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    if len(out) < expected:
+        out.append({"error": f"only {len(out)} of {expected} ranks reported within {timeout} s"})
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gpu_check.json")
+    args = ap.parse_args()
+    import torch
+
+    report: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": str(torch.cuda.nccl.version()),
+        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "python": sys.version.split()[0],
+    }
+    report["same_gpu_refused"] = _run("same_gpu_refused", 1, 1)
+    report["nccl_exchange_1A1F"] = _run("exchange", 1, 1)
+    report["nccl_exchange_2A1F"] = _run("exchange", 2, 1)
+    report["nccl_peer_loss"] = _run("peer_loss", 1, 1)
+    text = json.dumps(report, indent=2)
+    print(text)
+    with open(args.out, "w") as fh:
+        fh.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
