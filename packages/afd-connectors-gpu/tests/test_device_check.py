@@ -26,10 +26,12 @@ GPU2 = "node-a cuda:2 (NVIDIA H200, GPU-4e5f)"
 def _join_all(topology: AFDTopology, devices: list[str | None]) -> list[Any]:
     port = free_port()
     results: list[Any] = [None] * topology.world_size
+    keep: list[Any] = []  # the stores stay open until every rank is done (attention
+    # rank 0 hosts the server; the data plane's later barriers do this in a real join)
 
     def rank(g: int) -> None:
         try:
-            join_store(
+            stores = join_store(
                 host="127.0.0.1",
                 port=port,
                 topology=topology,
@@ -37,6 +39,7 @@ def _join_all(topology: AFDTopology, devices: list[str | None]) -> list[Any]:
                 connect_timeout_s=20.0,
                 device_identity=devices[g],
             )
+            keep.append(stores)
             results[g] = "joined"
         except Exception as exc:
             results[g] = exc
@@ -46,6 +49,7 @@ def _join_all(topology: AFDTopology, devices: list[str | None]) -> list[Any]:
         t.start()
     for t in threads:
         t.join(timeout=60)
+    keep.clear()
     return results
 
 

@@ -92,6 +92,7 @@ def test_afd_section_per_process() -> None:
         "routing_payload": "router_logits", "connect_timeout_s": 30, "role": "attention",
         "rank": 1, "host": "127.0.0.1", "port": 1234, "num_attention_ranks": 2,
         "num_ffn_ranks": 1, "compute_gate_on_attention": True,
+        "connector": "P2pShmAFDConnector",  # the same-host default
     }  # fmt: skip
     from afd_core.config import AFDConfig
 

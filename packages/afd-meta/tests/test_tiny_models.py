@@ -22,6 +22,7 @@ from afd.models.tiny import (
     GENERATOR_VERSION,
     STAMP_FILE,
     TINY_ARCHS,
+    TINY_SIZES,
     checkpoint_name,
     generate_tiny_checkpoint,
     tiny_config,
@@ -260,3 +261,160 @@ def test_native_greedy_deepseek_v2_deterministic(
     assert len({tuple(t) for t in ids}) == len(ids)
     assert len({t[0] for t in ids}) >= len(ids) // 2
     assert len({x for t in ids for x in t}) > 50
+
+
+# ---------------------------------------------------------------- bench size
+
+BENCH_ARCHS = [a for a, s in TINY_ARCHS.items() if s.bench is not None]
+
+
+@pytest.fixture(scope="module")
+def bench_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bench")
+    return {
+        a: generate_tiny_checkpoint(a, root / checkpoint_name(a, size="bench"), size="bench")
+        for a in BENCH_ARCHS
+    }
+
+
+def test_bench_archs_and_names() -> None:
+    assert {"qwen3_moe", "deepseek_v3"} <= set(BENCH_ARCHS)
+    assert TINY_SIZES == ("tiny", "bench")
+    # Tiny names are unchanged; bench names are distinct.
+    assert checkpoint_name("qwen3_moe") == "qwen3_moe-s0"
+    assert checkpoint_name("qwen3_moe", size="tiny") == "qwen3_moe-s0"
+    assert checkpoint_name("qwen3_moe", size="bench") == "qwen3_moe-s0-bench"
+    assert checkpoint_name("qwen3_moe", "no_norm_topk", 3, "bench") == (
+        "qwen3_moe-no_norm_topk-s3-bench"
+    )
+    with pytest.raises(ValueError, match="unknown checkpoint size"):
+        tiny_config("qwen3_moe", size="huge")
+    with pytest.raises(ValueError, match="no bench size"):
+        tiny_config("deepseek_v2", size="bench")
+
+
+def _moe_layers(tensors: dict[str, Any], cfg: dict[str, Any]) -> list[int]:
+    kinds = _layer_kinds(tensors, cfg["num_hidden_layers"])
+    assert "?" not in kinds
+    return [i for i, k in enumerate(kinds) if k == "moe"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_bench_config_shape(bench_ckpts: dict[str, Path], arch: str) -> None:
+    import torch
+
+    d = bench_ckpts[arch]
+    cfg = _config(d)
+    assert cfg["model_type"] == arch
+    assert cfg["hidden_size"] >= 512
+    n_experts = next(
+        cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in cfg
+    )
+    assert n_experts >= 16
+    assert cfg["num_experts_per_tok"] >= 4
+    assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"
+    assert cfg["max_position_embeddings"] >= 2048
+    tensors = _tensors(d)
+    moe = _moe_layers(tensors, cfg)
+    assert len(moe) >= 8
+    assert f"model.layers.{moe[0]}.mlp.experts.{n_experts - 1}.down_proj.weight" in tensors
+    assert f"model.layers.{moe[0]}.mlp.experts.{n_experts}.down_proj.weight" not in tensors
+    gate = tensors[f"model.layers.{moe[0]}.mlp.gate.weight"]
+    assert tuple(gate.shape) == (n_experts, cfg["hidden_size"])
+    assert 0.5 < float(gate.float().std()) * cfg["hidden_size"] ** 0.5 < 2.0
+    # bf16 weights; only router correction biases stay fp32.
+    for k, v in tensors.items():
+        want = torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16
+        assert v.dtype == want, k
+    n_params = sum(v.numel() for v in tensors.values())
+    assert 45e6 < n_params < 65e6, n_params
+    if arch == "qwen3_moe":  # the team's reference shape
+        assert (cfg["hidden_size"], cfg["num_hidden_layers"], len(moe)) == (512, 8, 8)
+        assert (n_experts, cfg["num_experts_per_tok"]) == (16, 4)
+        assert 55e6 < n_params < 60e6
+    else:
+        assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] == 576  # CPU MLA
+        assert cfg["n_routed_experts"] % cfg["n_group"] == 0
+        assert cfg["topk_group"] * n_experts // cfg["n_group"] > cfg["num_experts_per_tok"]
+    stamp = json.loads((d / STAMP_FILE).read_text())
+    assert stamp["size"] == "bench" and stamp["arch"] == arch and stamp["seed"] == 0
+
+
+def test_bench_same_tokenizer(
+    ckpts: dict[tuple[str, str | None], Path], bench_ckpts: dict[str, Path]
+) -> None:
+    tiny = _hashes(ckpts[("qwen3_moe", None)])
+    for arch in BENCH_ARCHS:
+        bench = _hashes(bench_ckpts[arch])
+        assert bench["tokenizer.json"] == tiny["tokenizer.json"]
+        assert (
+            _config(bench_ckpts[arch])["vocab_size"] == _config(ckpts[(arch, None)])["vocab_size"]
+        )
+
+
+def test_bench_same_seed_gives_identical_bytes(
+    bench_ckpts: dict[str, Path], tmp_path: Path
+) -> None:
+    again = generate_tiny_checkpoint("qwen3_moe", tmp_path / "again", size="bench")
+    assert _hashes(again) == _hashes(bench_ckpts["qwen3_moe"])
+    other = generate_tiny_checkpoint("qwen3_moe", tmp_path / "s1", seed=1, size="bench")
+    assert _hashes(other)["model.safetensors"] != _hashes(again)["model.safetensors"]
+
+
+def test_size_never_reuses_other_cache(
+    ckpts: dict[tuple[str, str | None], Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "ckpt"
+    tiny_hashes = _hashes(generate_tiny_checkpoint("qwen3_moe", out))
+    assert tiny_hashes == _hashes(ckpts[("qwen3_moe", None)])
+    assert "size" not in json.loads((out / STAMP_FILE).read_text())  # tiny stamp unchanged
+
+    generate_tiny_checkpoint("qwen3_moe", out, size="bench")  # tiny stamp: regenerated
+    assert _config(out)["hidden_size"] == 512
+    assert json.loads((out / STAMP_FILE).read_text())["size"] == "bench"
+    bench_st = (out / "model.safetensors").stat().st_ino
+    generate_tiny_checkpoint("qwen3_moe", out, size="bench")  # matching: kept
+    assert (out / "model.safetensors").stat().st_ino == bench_st
+
+    generate_tiny_checkpoint("qwen3_moe", out)  # bench stamp: regenerated as tiny
+    assert _config(out)["hidden_size"] == 128
+    assert _hashes(out) == tiny_hashes
+
+
+@pytest.mark.slow
+def test_cli_models_tiny_bench(tmp_path: Path) -> None:
+    out = tmp_path / "q-bench"
+    cmd = [sys.executable, "-m", "afd.cli", "models", "tiny", "--arch", "qwen3_moe"]
+    proc = subprocess.run(
+        [*cmd, "--size", "bench", "--out", str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip() == str(out)
+    assert _config(out)["hidden_size"] == 512
+    assert json.loads((out / STAMP_FILE).read_text())["size"] == "bench"
+
+    bad_cmd = [*cmd[:-1], "deepseek_v2", "--size", "bench", "--out", str(tmp_path / "x")]
+    bad = subprocess.run(
+        bad_cmd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "no bench size" in bad.stderr
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_bench_finite_logits(bench_ckpts: dict[str, Path], arch: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d = bench_ckpts[arch]
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([[_config(d)["bos_token_id"] + 100]])).logits.float()
+    assert logits.shape[-1] == _config(d)["vocab_size"]
+    assert bool(torch.isfinite(logits).all())
+    # O(1) logits (1/sqrt(fan_in) init): far from bf16 overflow, not collapsed either.
+    assert 0.3 < float(logits.std()) < 3.0 and float(logits.abs().max()) < 30.0

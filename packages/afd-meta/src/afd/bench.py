@@ -9,6 +9,12 @@ token) and TPOT ((latency - TTFT) / (tokens - 1), as vLLM's serving benchmark); 
 level it reports
 output throughput (tokens / wall time), TTFT and TPOT median and p99, and the
 AFD/native ratio. Results go to ``<out>/bench.json`` and ``<out>/bench.png``.
+
+Cores: on a CPU host the launcher gives the AFD roles their own cores (see
+:func:`afd.launch.split_cpus`). The native baseline runs once per ``--native-configs``
+entry: ``all-cores`` (``VLLM_CPU_OMP_THREADS_BIND`` = every usable CPU) and ``auto``
+(vLLM's default binding); at each concurrency level the faster one (higher output
+tok/s) is the reference of the AFD/native ratios (:func:`pick_native_reference`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
 import threading
@@ -29,11 +36,33 @@ from pathlib import Path
 from typing import Any
 
 from afd.demo import cache_dir, ensure_tiny_model, served_model
-from afd.launch import Deployment, DeploymentError, DeploymentSpec, forward_signals
+from afd.launch import (
+    Deployment,
+    DeploymentError,
+    DeploymentSpec,
+    RoleOverrides,
+    add_cpu_arguments,
+    detect_cuda_devices,
+    format_cpu_list,
+    forward_signals,
+    usable_cpus,
+)
+from afd_core.profiling import PROFILE_DIR_ENV
 
-__all__ = ["RequestResult", "percentile", "run_bench", "run_level", "stream_completion"]
+__all__ = [
+    "NATIVE_CONFIGS",
+    "RequestResult",
+    "native_config_cpus",
+    "percentile",
+    "pick_native_reference",
+    "run_bench",
+    "run_level",
+    "stream_completion",
+]
 
 MODES = ("native", "afd")
+NATIVE_CONFIGS = ("all-cores", "auto")
+"""Native baselines: bound to every usable CPU, and vLLM's default binding."""
 
 
 @dataclass
@@ -164,6 +193,74 @@ def _r(x: float) -> float | None:
     return None if math.isnan(x) else round(x, 2)
 
 
+def native_config_cpus(config: str, cpus: Sequence[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` of a native config: ``all-cores`` -> every CPU of
+    ``cpus`` (``"0-N"``), ``auto`` -> ``"auto"`` (vLLM's default binding)."""
+    if config == "all-cores":
+        return format_cpu_list(cpus)
+    if config == "auto":
+        return "auto"
+    raise ValueError(f"native config: expected one of {', '.join(NATIVE_CONFIGS)}, got {config!r}")
+
+
+def _profile_report(
+    profile_dir: Path,
+    windows: dict[str, tuple[int, int]],
+    results: dict[str, Any],
+    say: Any,
+) -> dict[str, Any]:
+    """Per concurrency level: the AFD deployment's per-step summary (its spans inside the
+    level's time window) next to native's median TPOT at that level; plus the trace and
+    one step drawn per level."""
+    from afd.profile import format_summary, load_profile, plot_step, summarize, write_trace
+
+    try:
+        prof = load_profile(profile_dir)
+    except FileNotFoundError as exc:
+        say(f"profile: {exc}")
+        return {"error": str(exc)}
+    out: dict[str, Any] = {"dir": str(profile_dir), "levels": {}}
+    out["trace"] = str(write_trace(prof, profile_dir / "trace.json"))
+    for c, window in windows.items():
+        summary = summarize(prof, window=window)
+        native = results.get("native", {}).get(c, {}).get("tpot_ms", {})
+        native_tpot = native.get("median") if isinstance(native, dict) else None
+        summary["native_tpot_ms_median"] = native_tpot
+        summary["text"] = format_summary(summary, native_step_ms=native_tpot)
+        try:
+            png = plot_step(prof, profile_dir / f"step-c{c}.png", window=window,
+                            title=f"one decode step of AFD 1A1F at concurrency {c}")  # fmt: skip
+            summary["figure"] = str(png)
+        except (ImportError, ValueError, StopIteration) as exc:
+            summary["figure"] = f"not drawn: {exc}"
+        out["levels"][c] = summary
+    say(f"profile: {out['trace']} (open in https://ui.perfetto.dev)")
+    return out
+
+
+def pick_native_reference(
+    configs: dict[str, dict[str, Any]], levels: Sequence[int]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The native reference: at each concurrency level, the level result of the config
+    with the highest output tok/s (ties: the first config). ``configs``: config name ->
+    {level: run_level result}. Returns (results per level, each with ``native_config``
+    added; config name per level)."""
+    results: dict[str, Any] = {}
+    chosen: dict[str, str] = {}
+    for c in levels:
+        best: str | None = None
+        for name, res in configs.items():
+            lv = res.get(str(c))
+            if lv is None:
+                continue
+            if best is None or lv["output_tok_s"] > configs[best][str(c)]["output_tok_s"]:
+                best = name
+        if best is not None:
+            results[str(c)] = {**configs[best][str(c)], "native_config": best}
+            chosen[str(c)] = best
+    return results, chosen
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -185,11 +282,19 @@ def add_bench_arguments(ap: Any) -> None:
         help="requests per level (default: max(8, 4 x concurrency))",
     )
     ap.add_argument("--modes", default="native,afd", help="which servers: native,afd")
+    ap.add_argument(
+        "--native-configs",
+        default=",".join(NATIVE_CONFIGS),
+        help="native baselines to measure (default all-cores,auto): all-cores = "
+        "VLLM_CPU_OMP_THREADS_BIND on every usable CPU, auto = vLLM's default binding; "
+        "per concurrency level the faster one is the reference",
+    )
     ap.add_argument("--gate-on-attention", action="store_true")
     ap.add_argument(
         "--connector",
-        default="P2pGlooAFDConnector",
-        help="AFD connector of the AFD deployment (e.g. P2pShmAFDConnector)",
+        default=None,
+        help="AFD connector of the AFD deployment (default: P2pShmAFDConnector, the "
+        "launcher's same-host default; e.g. P2pGlooAFDConnector)",
     )
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--out", default="afd-bench", help="folder for bench.json and bench.png")
@@ -197,13 +302,13 @@ def add_bench_arguments(ap: Any) -> None:
     ap.add_argument("--verbose", action="store_true", help="stream role logs to the console")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument(
-        "--attention-cpus",
-        help="VLLM_CPU_OMP_THREADS_BIND of the AFD attention server (e.g. 0); default: vLLM's",
+        "--profile",
+        action="store_true",
+        help="record per-layer spans of the AFD deployment (AFD_PROFILE_DIR=OUT/profile): "
+        "OUT/profile/trace.json (Perfetto), a per-level summary next to native's TPOT, "
+        "and OUT/profile/step-c<N>.png",
     )
-    ap.add_argument(
-        "--ffn-cpus",
-        help="VLLM_CPU_OMP_THREADS_BIND of the AFD FFN server (e.g. 1); default: vLLM's",
-    )
+    add_cpu_arguments(ap)
 
 
 def run_bench(args: Any) -> int:
@@ -219,6 +324,13 @@ def run_bench(args: Any) -> int:
             raise ValueError(f"modes: expected some of {', '.join(MODES)}, got {args.modes!r}")
         if args.output_len < 2:
             raise ValueError("--output-len must be >= 2 (TPOT needs two tokens)")
+        native_configs = [c.strip() for c in str(args.native_configs).split(",") if c.strip()]
+        bad = [c for c in native_configs if c not in NATIVE_CONFIGS]
+        if "native" in modes and (bad or not native_configs):
+            raise ValueError(
+                f"native-configs: expected some of {', '.join(NATIVE_CONFIGS)}, "
+                f"got {args.native_configs!r}"
+            )
     except ValueError as exc:
         print(f"afd bench: {exc}", file=sys.stderr)
         return 2
@@ -231,44 +343,65 @@ def run_bench(args: Any) -> int:
         model = Path(args.model).expanduser().absolute()
     else:
         model = ensure_tiny_model(cache_dir(args.cache_dir), log=say)
-    base = DeploymentSpec(
-        model=str(model),
-        max_model_len=args.max_model_len,
-        compute_gate_on_attention=bool(args.gate_on_attention),
-        startup_timeout_s=300.0,
-        afd={"connector": args.connector},
-    )
-    if args.attention_cpus:
-        base.attention.env["VLLM_CPU_OMP_THREADS_BIND"] = args.attention_cpus
-    if args.ffn_cpus:
-        base.ffn.env["VLLM_CPU_OMP_THREADS_BIND"] = args.ffn_cpus
+    try:
+        base = DeploymentSpec(
+            model=str(model),
+            max_model_len=args.max_model_len,
+            compute_gate_on_attention=bool(args.gate_on_attention),
+            startup_timeout_s=300.0,
+            afd={"connector": args.connector} if args.connector else {},
+            attention={"cpus": args.attention_cpus},
+            ffn={"cpus": args.ffn_cpus},
+        )
+    except ValueError as exc:  # SpecError
+        print(f"afd bench: {exc}", file=sys.stderr)
+        return 2
+    cpus = usable_cpus()
+    if "native" in modes and len(native_configs) > 1 and detect_cuda_devices():
+        say("CUDA host: one native run with vLLM's default CPU binding")
+        native_configs = ["auto"]
+    runs = _plan_runs(base, modes, native_configs, cpus)
+    say(f"connector: {base.connector}; usable CPUs: {format_cpu_list(cpus)}")
     prompts = list(FIXED_PROMPTS)
     per_level = {c: (args.requests or max(8, 4 * c)) for c in levels}
+    profile_dir: Path | None = None
+    if getattr(args, "profile", False):
+        profile_dir = Path(args.out).absolute() / "profile"
+        shutil.rmtree(profile_dir, ignore_errors=True)
+        profile_dir.mkdir(parents=True)
+    windows: dict[str, tuple[int, int]] = {}  # AFD run: wall-clock window of each level
     results: dict[str, Any] = {}
+    native_runs: dict[str, dict[str, Any]] = {}
     startup: dict[str, float] = {}
+    bound: dict[str, dict[str, str]] = {}
 
     from tqdm import tqdm
 
     with forward_signals():
         try:
-            for mode in modes:
-                spec = base.replace(
-                    native=(mode == "native"),
-                    log_dir=None if args.log_dir is None else str(Path(args.log_dir) / mode),
+            for run, spec in runs:
+                sub = run.replace("/", "-")
+                spec = spec.replace(
+                    log_dir=None if args.log_dir is None else str(Path(args.log_dir) / sub),
                 )
-                say(f"starting {mode} ({'plain vLLM' if mode == 'native' else '1A1F'})")
-                dep = Deployment(spec, echo=args.verbose, console=sys.stdout, name=f"bench-{mode}")
+                if run == "afd" and profile_dir is not None:
+                    spec = spec.replace(env={**spec.env, PROFILE_DIR_ENV: str(profile_dir)})
+                what = "1A1F" if run == "afd" else f"plain vLLM, CPUs {run.split('/')[1]}"
+                say(f"starting {run} ({what})")
+                dep = Deployment(spec, echo=args.verbose, console=sys.stdout, name=f"bench-{sub}")
                 with dep:
-                    startup[mode] = round(dep.startup_s or 0.0, 1)
+                    startup[run] = round(dep.startup_s or 0.0, 1)
+                    bound[run] = dict(dep.cpus or {})
                     model_name = served_model(dep.url)
                     for p in prompts[: max(levels)]:  # warm-up (not measured)
                         stream_completion(dep.url, model_name, p, 4)
-                    results[mode] = {}
+                    res: dict[str, Any] = {}
                     total = sum(per_level.values())
-                    with tqdm(total=total, desc=f"{mode}", unit="req", file=sys.stderr) as bar:
+                    with tqdm(total=total, desc=run, unit="req", file=sys.stderr) as bar:
                         for c in levels:
-                            bar.set_description(f"{mode} c={c}")
-                            results[mode][str(c)] = run_level(
+                            bar.set_description(f"{run} c={c}")
+                            started_ns = time.time_ns()
+                            res[str(c)] = run_level(
                                 dep.url,
                                 prompts,
                                 c,
@@ -276,6 +409,12 @@ def run_bench(args: Any) -> int:
                                 args.output_len,
                                 on_done=lambda: bar.update(1),
                             )
+                            if run == "afd":
+                                windows[str(c)] = (started_ns, time.time_ns())
+                    if run == "afd":
+                        results["afd"] = res
+                    else:
+                        native_runs[run.split("/", 1)[1]] = res
         except DeploymentError as exc:
             say(f"FAILED: {exc}")
             return 1
@@ -285,6 +424,11 @@ def run_bench(args: Any) -> int:
             say(f"interrupted ({exc}); stopped")
             return 130
 
+    native_reference: dict[str, str] = {}
+    if native_runs:
+        native_results, native_reference = pick_native_reference(native_runs, levels)
+        results = {"native": native_results, **results}
+        startup["native"] = next(v for k, v in startup.items() if k.startswith("native/"))
     report = {
         "settings": {
             "model": str(model),
@@ -297,10 +441,13 @@ def run_bench(args: Any) -> int:
             "kv_cache_memory_bytes": base.kv_cache_memory_bytes,
             "enforce_eager": base.enforce_eager,
             "compute_gate_on_attention": base.compute_gate_on_attention,
-            "connector": args.connector,
+            "connector": base.connector,
             "thread_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
             "attention_cpus": args.attention_cpus,
             "ffn_cpus": args.ffn_cpus,
+            "usable_cpus": format_cpu_list(cpus),
+            "cpus": bound,
+            "native_configs": list(native_runs),
         },
         "machine": {
             "cpus": os.cpu_count(),
@@ -309,13 +456,26 @@ def run_bench(args: Any) -> int:
         },
         "startup_s": startup,
         "results": results,
+        "native_configs": {
+            name: {
+                "cpus": native_config_cpus(name, cpus),
+                "startup_s": startup.get(f"native/{name}"),
+                "results": res,
+            }
+            for name, res in native_runs.items()
+        },
+        "native_reference": native_reference,
         "ratio_afd_over_native": _ratios(results, levels),
         "total_s": round(time.monotonic() - t_total, 1),
     }
+    if profile_dir is not None and windows:
+        report["profile"] = _profile_report(profile_dir, windows, results, say)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     print(format_table(report))
+    for c, prof in report.get("profile", {}).get("levels", {}).items():
+        print(f"\nprofile, concurrency {c}:\n{prof['text']}")
     say(f"wrote {out / 'bench.json'}")
     if not args.no_plot:
         try:
@@ -324,8 +484,25 @@ def run_bench(args: Any) -> int:
         except ImportError:
             say("matplotlib is not installed (dependency group 'bench'): no plot")
     say(f"total {report['total_s']:.0f} s")
-    failed = any(lv["completed"] < lv["requests"] for m in results.values() for lv in m.values())
+    every = [results.get("afd", {}), *native_runs.values()]
+    failed = any(lv["completed"] < lv["requests"] for m in every for lv in m.values())
     return 1 if failed else 0
+
+
+def _plan_runs(
+    base: DeploymentSpec, modes: Sequence[str], native_configs: Sequence[str], cpus: Sequence[int]
+) -> list[tuple[str, DeploymentSpec]]:
+    """(run name, spec) in order: ``native/<config>`` per native config, then ``afd``.
+    A native run's CPUs come from its config only (not from ``--attention-cpus``)."""
+    runs = []
+    for mode in modes:
+        if mode == "afd":
+            runs.append(("afd", base))
+            continue
+        for config in native_configs:
+            attention = RoleOverrides(cpus=native_config_cpus(config, cpus))
+            runs.append((f"native/{config}", base.replace(native=True, attention=attention)))
+    return runs
 
 
 def _ratios(results: dict[str, Any], levels: Sequence[int]) -> dict[str, Any]:
@@ -349,8 +526,12 @@ def _ratios(results: dict[str, Any], levels: Sequence[int]) -> dict[str, Any]:
 def format_table(report: dict[str, Any]) -> str:
     res = report["results"]
     ratio = report["ratio_afd_over_native"]
+    configs = report.get("native_configs") or {}
+    reference = report.get("native_reference") or {}
     modes = [m for m in MODES if m in res]
     head = ["conc"]
+    if "native" in modes and len(configs) > 1:
+        head += [f"native {name} tok/s" for name in configs] + ["native ref"]
     for m in modes:
         head += [f"{m} tok/s", f"{m} TTFT ms p50/p99", f"{m} TPOT ms p50/p99"]
     if ratio:
@@ -358,6 +539,9 @@ def format_table(report: dict[str, Any]) -> str:
     rows = [head]
     for c in report["settings"]["concurrency"]:
         row = [str(c)]
+        if "native" in modes and len(configs) > 1:
+            row += [f"{cf['results'][str(c)]['output_tok_s']:.1f}" for cf in configs.values()]
+            row.append(reference.get(str(c), "-"))
         for m in modes:
             lv = res[m][str(c)]
             row += [
@@ -405,8 +589,19 @@ def plot(report: dict[str, Any], path: Path) -> Path:
             if mode not in res:
                 continue
             ys = [get(res[mode][str(c)]) for c in levels]
-            label = "native vLLM" if mode == "native" else "AFD 1A1F"
+            label = "native vLLM (reference)" if mode == "native" else "AFD 1A1F"
             ax.plot(levels, ys, "o-", color=color, label=label)
+            configs = report.get("native_configs") or {}
+            if mode == "native" and get99 is None and len(configs) > 1:
+                for (name, cf), marker in zip(configs.items(), "sv^", strict=False):
+                    ax.plot(
+                        levels,
+                        [get(cf["results"][str(c)]) for c in levels],
+                        marker + ":",
+                        color=color,
+                        alpha=0.5,
+                        label=f"native {name}",
+                    )
             if get99 is not None:
                 ax.plot(
                     levels,

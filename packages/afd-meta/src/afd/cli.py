@@ -12,9 +12,18 @@ from afd._version import __version__
 def _cmd_models_tiny(args: argparse.Namespace) -> int:
     from afd.models.tiny import generate_tiny_checkpoint
 
-    path = generate_tiny_checkpoint(
-        args.arch, Path(args.out), seed=args.seed, variant=args.variant, overwrite=args.overwrite
-    )
+    try:
+        path = generate_tiny_checkpoint(
+            args.arch,
+            Path(args.out),
+            seed=args.seed,
+            variant=args.variant,
+            overwrite=args.overwrite,
+            size=args.size,
+        )
+    except ValueError as e:  # unknown variant, or no bench size for the arch
+        print(f"afd models tiny: error: {e}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 
@@ -76,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--out", required=True, help="output directory")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--variant", default=None)
+    tiny.add_argument(
+        "--size",
+        choices=["tiny", "bench"],
+        default="tiny",
+        help="tiny (default, for tests) or bench (hidden 512, 8 MoE layers, 16 experts "
+        "top-4; qwen3_moe and deepseek_v3)",
+    )
     tiny.add_argument("--overwrite", action="store_true")
     tiny.set_defaults(func=_cmd_models_tiny)
 
@@ -92,6 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     conn = sub.add_parser("connectors", help="list the installed AFD connectors")
     conn.set_defaults(func=_cmd_connectors)
+
+    from afd.profile import add_profile_arguments, run_profile
+
+    prof = sub.add_parser(
+        "profile",
+        help="merge an AFD_PROFILE_DIR into a Perfetto trace and a per-step summary",
+        description="Merge the per-layer spans that AFD processes wrote to AFD_PROFILE_DIR "
+        "into DIR/trace.json (Perfetto / chrome://tracing) and DIR/summary.json, print ms "
+        "per step by category for both roles, and optionally draw one step.",
+    )
+    add_profile_arguments(prof)
+    prof.set_defaults(func=run_profile)
 
     from afd.bench import add_bench_arguments
     from afd.demo import add_demo_arguments

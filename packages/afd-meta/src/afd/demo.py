@@ -23,7 +23,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from afd.launch import Deployment, DeploymentError, DeploymentSpec, forward_signals
+from afd.launch import (
+    Deployment,
+    DeploymentError,
+    DeploymentSpec,
+    RoleOverrides,
+    SpecError,
+    add_cpu_arguments,
+    forward_signals,
+)
 
 __all__ = [
     "cache_dir",
@@ -149,6 +157,7 @@ def add_demo_arguments(ap: Any) -> None:
     ap.add_argument(
         "--skip-native", action="store_true", help="only run the AFD deployment (no parity check)"
     )
+    add_cpu_arguments(ap)
 
 
 def run_demo(args: Any) -> int:
@@ -173,13 +182,11 @@ def run_demo(args: Any) -> int:
         model = ensure_tiny_model(cache_dir(args.cache_dir), log=say)
     phase("checkpoint", t0)
 
-    spec = DeploymentSpec(
-        model=str(model),
-        max_model_len=256,
-        compute_gate_on_attention=bool(args.gate_on_attention),
-        log_dir=args.log_dir,
-        startup_timeout_s=300.0,
-    )
+    try:
+        spec = demo_spec(model, args)
+    except SpecError as exc:
+        say(f"invalid settings: {exc}")
+        return 2
     code = 0
     with forward_signals():
         try:
@@ -213,7 +220,7 @@ def run_demo(args: Any) -> int:
             say("starting native vLLM (same engine args) for the reference")
             t0 = time.monotonic()
             native = Deployment(
-                spec.replace(native=True, log_dir=_sub(args.log_dir, "native")),
+                native_spec(spec).replace(log_dir=_sub(args.log_dir, "native")),
                 echo=args.verbose,
                 console=sys.stdout,
                 name="demo",
@@ -251,6 +258,32 @@ def run_demo(args: Any) -> int:
         say(f"FAIL: {len(prompts) - n_same}/{len(prompts)} prompts differ from native vLLM")
         code = 1
     return code
+
+
+def demo_spec(model: str | os.PathLike[str], args: Any) -> DeploymentSpec:
+    """The demo's 1A1F spec (the launcher's same-host defaults: shared-memory connector,
+    own cores per role on a CPU host; ``--attention-cpus`` / ``--ffn-cpus`` override)."""
+    return DeploymentSpec(
+        model=str(model),
+        max_model_len=256,
+        compute_gate_on_attention=bool(args.gate_on_attention),
+        log_dir=args.log_dir,
+        startup_timeout_s=300.0,
+        attention={"cpus": getattr(args, "attention_cpus", None)},
+        ffn={"cpus": getattr(args, "ffn_cpus", None)},
+    )
+
+
+def native_spec(spec: DeploymentSpec) -> DeploymentSpec:
+    """The native reference of ``spec``: same engine args, the launcher's default CPUs
+    (all usable ones), not the attention role's."""
+    attention = RoleOverrides(
+        model=spec.attention.model,
+        vllm_args=list(spec.attention.vllm_args),
+        env=dict(spec.attention.env),
+        devices=spec.attention.devices,
+    )
+    return spec.replace(native=True, attention=attention)
 
 
 def _sub(log_dir: str | None, name: str) -> str | None:

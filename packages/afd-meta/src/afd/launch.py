@@ -28,6 +28,17 @@ else ``nvidia-smi -L``; nothing is imported for it) every role process gets its 
 the attention server (its DP ranks) ``g0..g(A-1)``, FFN rank ``f`` ``g(A+f)``, the native
 baseline ``g0`` (:func:`assign_devices`). Per role, ``devices`` in ``[attention]`` /
 ``[ffn]`` or ``CUDA_VISIBLE_DEVICES`` in the role's ``env`` overrides it. See docs/gpu.md.
+
+Same-host defaults: every role runs on this host, so the AFD connector defaults to the
+shared-memory ``P2pShmAFDConnector`` (:data:`DEFAULT_CONNECTOR`; on a host with CUDA
+devices the NCCL connector; ``[afd] connector`` overrides it). On a CPU host (no CUDA
+device detected) each role process gets its own cores through
+``VLLM_CPU_OMP_THREADS_BIND`` (:func:`split_cpus`: the attention server
+the first half of the usable CPUs, rounded up, the FFN ranks one block each of the
+rest; the native baseline all of them). Per role, ``cpus`` in ``[attention]`` /
+``[ffn]`` or ``VLLM_CPU_OMP_THREADS_BIND`` in the role's ``env`` overrides it;
+``VLLM_CPU_OMP_THREADS_BIND`` in the spec's top-level ``env`` or the launcher's
+environment turns the automatic split off. See docs/cli.md.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import collections
 import contextlib
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import re
@@ -57,6 +69,8 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = [
+    "DEFAULT_CONNECTOR",
+    "DEFAULT_CUDA_CONNECTOR",
     "DEFAULT_KV_CACHE_BYTES",
     "Deployment",
     "DeploymentError",
@@ -65,18 +79,33 @@ __all__ = [
     "RoleProcess",
     "SpecError",
     "allocate_ports",
+    "assign_cpus",
     "assign_devices",
     "detect_cuda_devices",
+    "format_cpu_list",
+    "omp_bind_env",
+    "parse_cpu_list",
     "parse_nvidia_smi_list",
     "parse_visible_devices",
     "prefix_lines",
     "role_env",
+    "split_cpus",
+    "usable_cpus",
 ]
 
 DEFAULT_KV_CACHE_BYTES = 64 * 1024 * 1024
 FFN_READY_MARKER = "AFD FFN server ready"  # afd.ffn_server.READY_MARKER (no vLLM import here)
 TAIL_LINES = 30
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+# vLLM's own values of VLLM_CPU_OMP_THREADS_BIND besides CPU lists.
+_CPU_BIND_KEYWORDS = ("auto", "nobind")
+DEFAULT_CONNECTOR = "P2pShmAFDConnector"
+"""The connector of a deployment whose ``[afd]`` table names none, on a CPU host: every
+role of an ``afd launch`` deployment runs on this host, where shared memory beats gloo."""
+DEFAULT_CUDA_CONNECTOR = "P2pNcclAFDConnector"
+"""The default connector where CUDA devices are visible (one GPU per rank, see
+docs/gpu.md)."""
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 # vLLM options the launcher sets itself (per role); users set them with spec fields.
 _MANAGED_VLLM_OPTIONS = {
@@ -124,6 +153,11 @@ class RoleOverrides:
     """CUDA devices, one per rank of the role (``"0,1"`` or ``["0", "1"]``; entries as in
     ``CUDA_VISIBLE_DEVICES``): the attention server gets all of them (DP rank i on the
     i-th), FFN rank f the f-th. Default (None): assigned from the visible devices."""
+    cpus: str | list[str] | None = None
+    """CPUs (``VLLM_CPU_OMP_THREADS_BIND`` values such as ``"0"``, ``"0-3"``, ``"1,3"``),
+    one CPU list per rank: a list, or one string with ``|`` between ranks (vLLM's format
+    for the DP ranks of one server). ``"auto"`` / ``"nobind"``: vLLM's own modes.
+    Default (None): a share of the usable CPUs on a CPU host (:func:`split_cpus`)."""
 
 
 @dataclass
@@ -223,7 +257,7 @@ class DeploymentSpec:
                 ov = _overrides_from_mapping(role, ov)
                 setattr(self, role, ov)
             if not isinstance(ov, RoleOverrides):
-                raise fail(role, "a table with model / vllm_args / env / devices", ov)
+                raise fail(role, "a table with model / vllm_args / env / devices / cpus", ov)
             if ov.model is not None and (not isinstance(ov.model, str) or not ov.model.strip()):
                 raise fail(f"{role}.model", "a checkpoint directory or model name", ov.model)
             ov.vllm_args = _check_args(f"{role}.vllm_args", ov.vllm_args)
@@ -234,6 +268,11 @@ class DeploymentSpec:
                 raise SpecError(
                     f"{role}.devices and {role}.env.{CUDA_VISIBLE_DEVICES} are both set; "
                     "keep one of them"
+                )
+            ov.cpus = _check_cpus(f"{role}.cpus", ov.cpus, ranks, whole=role == "attention")
+            if ov.cpus is not None and CPU_BIND in ov.env:
+                raise SpecError(
+                    f"{role}.cpus and {role}.env.{CPU_BIND} are both set; keep one of them"
                 )
         if self.attention.devices and self.ffn.devices and not self.native:
             shared = sorted(set(self.attention.devices) & set(self.ffn.devices))
@@ -262,9 +301,21 @@ class DeploymentSpec:
             raise SpecError(str(exc)) from None
 
     # -- derived -------------------------------------------------------------------
+    @property
+    def connector(self) -> str:
+        """The AFD connector: ``[afd] connector``, else :data:`DEFAULT_CONNECTOR` on a CPU
+        host and :data:`DEFAULT_CUDA_CONNECTOR` where CUDA devices are visible (the roles'
+        tensors live on the GPUs there; shared memory would hand back CPU tensors)."""
+        explicit = self.afd.get("connector")
+        if explicit:
+            return str(explicit)
+        cuda = detect_cuda_devices({**os.environ, **self.env})
+        return DEFAULT_CUDA_CONNECTOR if cuda else DEFAULT_CONNECTOR
+
     def afd_section(self, role: str, rank: int, *, port: int) -> dict[str, Any]:
         return {
             **self.afd,
+            "connector": self.connector,
             "role": role,
             "rank": rank,
             "host": self.host,
@@ -408,6 +459,76 @@ def _check_devices(name: str, value: Any, ranks: int) -> list[str] | None:
     return out
 
 
+_CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
+
+
+def parse_cpu_list(value: str) -> list[int]:
+    """CPU ids of a CPU list in vLLM's format (``"0-2,4"`` -> ``[0, 1, 2, 4]``), sorted."""
+    value = value.replace(" ", "")
+    if not _CPU_LIST.match(value):
+        raise ValueError(f"{value!r} is not a CPU list (e.g. 0, 0-3, 1,3)")
+    out: set[int] = set()
+    for part in value.split(","):
+        lo, _, hi = part.partition("-")
+        first, last = int(lo), int(hi or lo)
+        if last < first:
+            raise ValueError(f"{value!r}: the range {part} is empty")
+        out.update(range(first, last + 1))
+    return sorted(out)
+
+
+def format_cpu_list(cpus: Iterable[int]) -> str:
+    """The shortest CPU list in vLLM's format: ``[0, 1, 2, 4]`` -> ``"0-2,4"``."""
+    ids = sorted(set(cpus))
+    parts: list[str] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def _check_cpus(name: str, value: Any, ranks: int, *, whole: bool) -> list[str] | None:
+    """``cpus`` of a role: one CPU list per rank (a list, or a string with ``|`` between
+    ranks), or ``"auto"`` / ``"nobind"``. ``whole``: the ranks are the DP ranks of one
+    server, so a keyword stands for all of them."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        items: list[Any] = value.split("|")
+    elif isinstance(value, Sequence) and not isinstance(value, bytes):
+        items = list(value)
+    else:
+        raise SpecError(f'{name}: expected "0-1", a list of CPU lists or "auto", got {value!r}')
+    out = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, str | int):
+            raise SpecError(f"{name}: expected CPU lists (str or int), got item {item!r}")
+        s = str(item).replace(" ", "")
+        if s not in _CPU_BIND_KEYWORDS:
+            try:
+                parse_cpu_list(s)
+            except ValueError as exc:
+                raise SpecError(f"{name}: {exc}, auto or nobind") from None
+        out.append(s)
+    if len(out) == 1 and out[0] in _CPU_BIND_KEYWORDS:
+        return out * ranks  # one keyword for every rank
+    if whole and any(s in _CPU_BIND_KEYWORDS for s in out):
+        raise SpecError(
+            f"{name}: {'|'.join(out)}: auto / nobind stand for the whole server; give "
+            "either one of them or one CPU list per rank"
+        )
+    if len(out) != ranks:
+        raise SpecError(
+            f"{name}: {len(out)} CPU list(s) {'|'.join(out)} for {ranks} rank(s); give exactly "
+            "one CPU list per rank"
+        )
+    return out
+
+
 def _overrides_from_mapping(role: str, table: Mapping[str, Any]) -> RoleOverrides:
     names = [f.name for f in dataclasses.fields(RoleOverrides)]
     for key in table:
@@ -504,7 +625,18 @@ def parse_nvidia_smi_list(output: str) -> list[str]:
     return [str(i) for i in range(n)]
 
 
+@functools.cache
+def _nvidia_smi_output(cmd: tuple[str, ...], path: str | None) -> str | None:
+    return _run_nvidia_smi_uncached(list(cmd))
+
+
 def _run_nvidia_smi(cmd: list[str]) -> str | None:
+    """``nvidia-smi`` output, run once per process and executable (the host's GPUs do
+    not change while the launcher runs)."""
+    return _nvidia_smi_output(tuple(cmd), shutil.which(cmd[0]))
+
+
+def _run_nvidia_smi_uncached(cmd: list[str]) -> str | None:
     if shutil.which(cmd[0]) is None:
         return None
     try:
@@ -589,6 +721,123 @@ def _shared_devices(devices: Mapping[str, str]) -> list[str]:
     return out
 
 
+# --------------------------------------------------------------------------- CPUs
+
+
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (``os.sched_getaffinity``), sorted."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _blocks(cpus: Sequence[int], n: int) -> list[list[int]]:
+    """``cpus`` cut into ``n`` contiguous blocks, as even as possible (first ones larger)."""
+    size, extra = divmod(len(cpus), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        out.append(list(cpus[start:end]))
+        start = end
+    return out
+
+
+def split_cpus(cpus: Sequence[int], num_attention: int, num_ffn: int) -> dict[str, str] | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` per role process from the usable ``cpus``, or None
+    when there are fewer CPUs than role processes (``num_attention + num_ffn``).
+
+    The attention server gets the first half, rounded up (but leaving one CPU per FFN
+    rank), cut into one block per DP rank (``"0|1"``, vLLM's format for the DP ranks of
+    one server); the FFN ranks get the rest, one block each. Every process gets at least
+    one CPU. ``num_ffn = 0`` (the native baseline): all of them. 2 CPUs, 1A1F:
+    ``{"attn": "0", "ffn0": "1"}``.
+    """
+    cpus = sorted(set(cpus))
+    n = len(cpus)
+    if n < num_attention + num_ffn or n == 0:
+        return None
+    n_attn = n if num_ffn == 0 else max(num_attention, min((n + 1) // 2, n - num_ffn))
+    out = {"attn": "|".join(format_cpu_list(b) for b in _blocks(cpus[:n_attn], num_attention))}
+    for f, block in enumerate(_blocks(cpus[n_attn:], num_ffn) if num_ffn else []):
+        out[f"ffn{f}"] = format_cpu_list(block)
+    return out
+
+
+def assign_cpus(
+    num_attention: int,
+    num_ffn: int,
+    usable: Sequence[int],
+    *,
+    attention: str | None = None,
+    ffn: Sequence[str] | None = None,
+) -> dict[str, str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` per role process: ``{"attn": ..., "ffn0": ...}``.
+
+    ``attention`` (the server's whole value) and ``ffn`` (one value per FFN rank) are
+    explicit settings, used as given; the other processes get their share of
+    :func:`split_cpus` of ``usable`` (none when ``usable`` is empty or too short).
+    ``num_ffn = 0``: the native baseline (``"attn"``: all of ``usable``).
+    """
+    if ffn is not None and len(ffn) != num_ffn:
+        raise ValueError(f"ffn: {len(ffn)} CPU values for {num_ffn} FFN ranks")
+    split = (split_cpus(usable, num_attention, num_ffn) if usable else None) or {}
+    out: dict[str, str] = {}
+    if attention is not None:
+        out["attn"] = attention
+    elif "attn" in split:
+        out["attn"] = split["attn"]
+    for f in range(num_ffn):
+        if ffn is not None:
+            out[f"ffn{f}"] = ffn[f]
+        elif f"ffn{f}" in split:
+            out[f"ffn{f}"] = split[f"ffn{f}"]
+    return out
+
+
+def _cpu_warnings(cpus: Mapping[str, str], usable: Sequence[int]) -> list[str]:
+    """Warnings for CPUs that two role processes would both use, or that are not usable."""
+    owner: dict[int, str] = {}
+    out = []
+    for name, value in cpus.items():
+        if value in _CPU_BIND_KEYWORDS:
+            continue
+        ids: set[int] = set()
+        for part in value.split("|"):
+            with contextlib.suppress(ValueError):
+                ids.update(parse_cpu_list(part))
+        for c in sorted(ids):
+            if c in owner and owner[c] != name:
+                out.append(f"{owner[c]} and {name} share CPU {c}")
+            owner.setdefault(c, name)
+        missing = sorted(ids - set(usable)) if usable else []
+        if missing:
+            out.append(
+                f"{name}: CPU {format_cpu_list(missing)} not usable by this process "
+                f"(usable: {format_cpu_list(usable)})"
+            )
+    return out
+
+
+def omp_bind_env(cpus: str, ld_preload: str = "") -> dict[str, str]:
+    """The OpenMP settings vLLM gives a worker process for the CPU list ``cpus``
+    (``vllm.utils.ompmultiprocessing``): ``OMP_NUM_THREADS`` plus ``KMP_AFFINITY`` (Intel
+    OpenMP preloaded), ``GOMP_CPU_AFFINITY`` (libgomp preloaded) or ``OMP_PLACES`` /
+    ``OMP_PROC_BIND``."""
+    ids = [str(c) for c in parse_cpu_list(cpus)]
+    env = {"OMP_NUM_THREADS": str(len(ids))}
+    if "libiomp" in ld_preload or "libomp" in ld_preload:
+        env["KMP_AFFINITY"] = f"granularity=fine,explicit,proclist=[{','.join(ids)}]"
+        env["KMP_BLOCKTIME"] = "5"
+        env["KMP_TPAUSE"] = "0"
+    elif "libgomp" in ld_preload:
+        env["GOMP_CPU_AFFINITY"] = " ".join(ids)
+    else:
+        env["OMP_PLACES"] = "{" + ",".join(ids) + "}"
+        env["OMP_PROC_BIND"] = "true"
+    return env
+
+
 # --------------------------------------------------------------------------- processes
 
 
@@ -602,10 +851,16 @@ def prefix_lines(prefix: str, text: str) -> str:
 
 
 def role_env(
-    spec: DeploymentSpec, role: str, tmp_dir: Path, devices: str | None = None
+    spec: DeploymentSpec,
+    role: str,
+    tmp_dir: Path,
+    devices: str | None = None,
+    cpus: str | None = None,
 ) -> dict[str, str]:
     """Environment of one role process; ``devices``: its ``CUDA_VISIBLE_DEVICES``
-    (from :func:`assign_devices`; the role's own ``env`` still wins)."""
+    (from :func:`assign_devices`), ``cpus``: its ``VLLM_CPU_OMP_THREADS_BIND`` (from
+    :func:`assign_cpus`); the role's own ``env`` still wins. An FFN process bound to a
+    CPU list also gets the matching OpenMP settings (:func:`omp_bind_env`)."""
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB; it overrides kv_cache_memory_bytes
     env["TMPDIR"] = str(tmp_dir)
@@ -615,8 +870,21 @@ def role_env(
     env.update(spec.env)
     if devices is not None:
         env[CUDA_VISIBLE_DEVICES] = devices
+    if cpus is not None:
+        env[CPU_BIND] = cpus
     if role in ("attention", "ffn"):
         env.update(getattr(spec, role).env)
+    bind = env.get(CPU_BIND, "")
+    if role == "ffn" and _CPU_LIST.match(bind.replace(" ", "")):
+        # The FFN server runs its worker in its own process (UniProcExecutor), where vLLM
+        # does not apply VLLM_CPU_OMP_THREADS_BIND (only its multiprocess executor does,
+        # for the worker processes it starts): set what vLLM would set there. Settings
+        # given in the spec's env win.
+        given = {**spec.env, **spec.ffn.env}
+        with contextlib.suppress(ValueError):  # not a CPU list after all: leave it to vLLM
+            for k, v in omp_bind_env(bind, env.get("LD_PRELOAD", "")).items():
+                if k not in given:
+                    env[k] = v
     return env
 
 
@@ -787,7 +1055,8 @@ class Deployment:
     ``echo=False`` keeps role output in the log files only (progress is still shown).
     ``visible_devices``: the host's CUDA devices (default: :func:`detect_cuda_devices`
     on the roles' environment, so ``CUDA_VISIBLE_DEVICES`` in the spec's ``env`` is the
-    list to assign from); ``[]`` assigns none.
+    list to assign from); ``[]`` assigns none. ``usable_cpus``: the CPUs to split
+    between the roles on a CPU host (default: :func:`usable_cpus`).
     """
 
     def __init__(
@@ -799,11 +1068,16 @@ class Deployment:
         progress_every_s: float = 15.0,
         name: str = "afd",
         visible_devices: Sequence[str] | None = None,
+        usable_cpus: Sequence[int] | None = None,
     ) -> None:
         self.spec = spec
         self.visible_devices = None if visible_devices is None else list(visible_devices)
         self.devices: dict[str, str] | None = None
         """``CUDA_VISIBLE_DEVICES`` per role process name (see :meth:`plan_devices`)."""
+        self.usable_cpus = None if usable_cpus is None else sorted(set(usable_cpus))
+        self.cpus: dict[str, str] | None = None
+        """``VLLM_CPU_OMP_THREADS_BIND`` per role process name (see :meth:`plan_cpus`)."""
+        self._cpu_lines: list[str] = []
         self.console = console if console is not None else sys.stderr
         self.echo = echo
         self.progress_every_s = progress_every_s
@@ -872,11 +1146,76 @@ class Deployment:
         for warning in _shared_devices(self.devices):
             self.say(f"WARNING: {warning}; NCCL refuses two ranks on one device")
 
+    # -- CPUs ----------------------------------------------------------------------
+    def plan_cpus(self) -> dict[str, str]:
+        """``VLLM_CPU_OMP_THREADS_BIND`` per role process (``attn``, ``ffn0``...,
+        ``native0``): the spec's ``cpus`` / role ``env`` where set; on a CPU host (no
+        CUDA device) with no ``VLLM_CPU_OMP_THREADS_BIND`` in the spec's ``env`` or the
+        launcher's environment, the other processes get :func:`split_cpus` of the usable
+        CPUs (the native baseline all of them); nothing else is set."""
+        spec = self.spec
+        if self.visible_devices is None:
+            self.visible_devices = detect_cuda_devices({**os.environ, **spec.env})
+        if self.usable_cpus is None:
+            self.usable_cpus = usable_cpus()
+        usable = self.usable_cpus
+        attention: str | None = spec.attention.env.get(CPU_BIND)
+        if attention is None and spec.attention.cpus is not None:
+            a = spec.attention.cpus
+            attention = a[0] if a[0] in _CPU_BIND_KEYWORDS else "|".join(a)
+        ffn_env = spec.ffn.env.get(CPU_BIND)
+        num_ffn = 0 if spec.native else spec.num_ffn
+        ffn = [ffn_env] * num_ffn if ffn_env is not None else spec.ffn.cpus
+        if spec.native:
+            ffn = None
+        inherited = spec.env.get(CPU_BIND, os.environ.get(CPU_BIND))
+        where = "the spec's env" if CPU_BIND in spec.env else "the environment"
+        procs = 1 if spec.native else spec.num_attention + spec.num_ffn
+        split = not self.visible_devices and inherited is None
+        planned = assign_cpus(
+            1 if spec.native else spec.num_attention,
+            num_ffn,
+            usable if split else [],
+            attention=attention,
+            ffn=ffn,
+        )
+        if spec.native:
+            planned = {"native0": planned["attn"]} if "attn" in planned else {}
+        self.cpus = planned
+        lines = []
+        names = ["native0"] if spec.native else ["attn"] + [f"ffn{f}" for f in range(num_ffn)]
+        rest = [n for n in names if n not in planned]
+        if planned:
+            per_role = ", ".join(f"{k}={v}" for k, v in planned.items())
+            lines.append(
+                f"cpus ({CPU_BIND} per role): {per_role} "
+                f"({len(usable)} usable: {format_cpu_list(usable)})"
+            )
+        if rest:
+            left = ", ".join(rest)
+            if self.visible_devices:
+                why = "CUDA host"
+            elif inherited is not None:
+                why = f"{CPU_BIND}={inherited} from {where}"
+            else:
+                why = None
+                lines.append(
+                    f"WARNING: {len(usable)} usable CPU(s) ({format_cpu_list(usable)}) for "
+                    f"{procs} role process(es): {CPU_BIND} of {left} left to vLLM "
+                    "(auto: every role binds to the same first core)"
+                )
+            if why is not None:
+                lines.append(f"cpus: {why}; {CPU_BIND} of {left} left as is")
+        lines += [f"WARNING: {w}" for w in _cpu_warnings(planned, usable)]
+        self._cpu_lines = lines
+        return self.cpus
+
     # -- commands ------------------------------------------------------------------
     def _build_roles(self) -> None:
         spec = self.spec
         assert self.work_dir is not None and self.log_dir is not None
         devices = self.devices if self.devices is not None else self.plan_devices()
+        cpus = self.cpus if self.cpus is not None else self.plan_cpus()
         tmp = self.tmp_dir = role_tmp_dir(self.work_dir)
         py = sys.executable
         if spec.native:
@@ -888,7 +1227,7 @@ class Deployment:
                 "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
                 "--host", spec.host, "--port", str(port),
             ]  # fmt: skip
-            env = role_env(spec, "attention", tmp, devices.get("native0"))
+            env = role_env(spec, "attention", tmp, devices.get("native0"), cpus.get("native0"))
             self.roles.append(
                 RoleProcess(
                     "native0", "native", 0, cmd, env, self.log_dir / "native0.log", http_url=url
@@ -908,7 +1247,7 @@ class Deployment:
                     "ffn",
                     rank,
                     cmd,
-                    role_env(spec, "ffn", tmp, devices.get(f"ffn{rank}")),
+                    role_env(spec, "ffn", tmp, devices.get(f"ffn{rank}"), cpus.get(f"ffn{rank}")),
                     self.log_dir / f"ffn{rank}.log",
                 )
             )
@@ -934,7 +1273,7 @@ class Deployment:
                 "attention",
                 0,
                 cmd,
-                role_env(spec, "attention", tmp, devices.get("attn")),
+                role_env(spec, "attention", tmp, devices.get("attn"), cpus.get("attn")),
                 self.log_dir / "attn.log",
                 http_url=f"http://{spec.host}:{port}",
             )
@@ -945,6 +1284,7 @@ class Deployment:
         spec = self.spec
         self.started_at = time.monotonic()
         self.plan_devices()  # a missing device fails here, before anything is started
+        self.plan_cpus()
         self.work_dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-launch-"))
         self.log_dir = Path(spec.log_dir).expanduser() if spec.log_dir else self.work_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -956,7 +1296,12 @@ class Deployment:
             + (f"(connector port {self.connector_port}) " if not spec.native else "")
             + f"logs in {self.log_dir}"
         )
+        if not spec.native:
+            how = "from [afd] connector" if spec.afd.get("connector") else "same-host default"
+            self.say(f"connector: {spec.connector} ({how})")
         self._say_devices()
+        for line in self._cpu_lines:
+            self.say(line)
         console = self.console if self.echo else None
         try:
             for role in self.roles:  # FFN servers first, then the attention servers
@@ -1155,10 +1500,16 @@ def spec_from_args(args: Any) -> DeploymentSpec:
     for k, v in flags.items():
         if v is not None:
             data[k] = v
-    for role, devices in (("attention", args.attention_devices), ("ffn", args.ffn_devices)):
-        if devices is not None:
+    role_flags = (
+        ("attention", "devices", args.attention_devices),
+        ("ffn", "devices", args.ffn_devices),
+        ("attention", "cpus", getattr(args, "attention_cpus", None)),
+        ("ffn", "cpus", getattr(args, "ffn_cpus", None)),
+    )
+    for role, key, value in role_flags:
+        if value is not None:
             table = data.get(role, {})
-            data[role] = {**table, "devices": devices} if isinstance(table, Mapping) else table
+            data[role] = {**table, key: value} if isinstance(table, Mapping) else table
     if args.model is not None:
         data["model"] = (
             str(Path(args.model).expanduser().absolute())
@@ -1175,6 +1526,23 @@ def spec_from_args(args: Any) -> DeploymentSpec:
         return DeploymentSpec.from_dict(data, base_dir=base_dir)
     except SpecError as exc:
         raise SpecError(f"{args.spec}: {exc}") from None
+
+
+def add_cpu_arguments(ap: Any) -> None:
+    """``--attention-cpus`` / ``--ffn-cpus`` (``afd launch``, ``afd demo``, ``afd bench``)."""
+    ap.add_argument(
+        "--attention-cpus",
+        metavar="CPUS",
+        help=f"{CPU_BIND} of the attention server (e.g. 0 or 0-3; DP ranks separated by |; "
+        "auto = vLLM's own); default on a CPU host: the first half of the usable CPUs",
+    )
+    ap.add_argument(
+        "--ffn-cpus",
+        metavar="CPUS",
+        help=f"{CPU_BIND} of the FFN servers, one CPU list per rank separated by | (e.g. 1 "
+        "or 2|3); default on a CPU host: the CPUs after the attention server's, one block "
+        "per rank",
+    )
 
 
 def add_launch_arguments(ap: Any) -> None:
@@ -1205,6 +1573,7 @@ def add_launch_arguments(ap: Any) -> None:
         help="CUDA devices of the FFN ranks, one per rank (e.g. 2; default: the visible "
         "ones after the attention ranks)",
     )
+    add_cpu_arguments(ap)
     ap.add_argument("--startup-timeout", type=float, help="seconds (default 600)")
     ap.add_argument(
         "--native",

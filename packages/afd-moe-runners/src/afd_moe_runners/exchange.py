@@ -8,6 +8,7 @@ that what came back is the answer to what was sent. That sequence lives here onc
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch
 from afd_core.connector import AFDConnector
 from afd_core.errors import AFDTransferMismatchError
 from afd_core.forward_context import get_step_metadata
+from afd_core.profiling import recorder
 from afd_core.transfer import AttentionToFFN, FFNToAttention, dtype_name
 
 __all__ = ["MicroBatchYield", "PendingExchange", "send_to_ffn", "no_yield"]
@@ -51,9 +53,13 @@ class PendingExchange:
         Padding rows that were not sent come back as zeros, so the result has the
         caller's row count.
         """
+        rec = recorder("attention", self.connector.rank)
+        t0 = time.perf_counter_ns() if rec is not None else 0
         result = self.connector.recv_from_ffn(
             layer_idx=self.layer_idx, micro_batch_idx=self.micro_batch_idx
         )
+        if rec is not None:
+            rec.attention_received(self.layer_idx, self.micro_batch_idx, t0, time.perf_counter_ns())
         output = result.output
         assert isinstance(output, torch.Tensor)
         shape = tuple(output.shape)
@@ -99,7 +105,11 @@ def send_to_ffn(payload: AttentionToFFN, *, layer_idx: int) -> PendingExchange:
         )
     hidden = payload.hidden_states
     assert isinstance(hidden, torch.Tensor)
+    rec = recorder("attention", meta.connector.rank)
+    t0 = time.perf_counter_ns() if rec is not None else 0
     meta.connector.send_to_ffn(payload, layer_idx=layer_idx, micro_batch_idx=meta.micro_batch_idx)
+    if rec is not None:
+        rec.attention_sent(layer_idx, meta.micro_batch_idx, t0, time.perf_counter_ns(), num_tokens)
     return PendingExchange(
         connector=meta.connector,
         layer_idx=layer_idx,

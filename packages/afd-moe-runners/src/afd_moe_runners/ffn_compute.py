@@ -26,6 +26,7 @@ reduced over the FFN role's tensor-parallel ranks here, once.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -39,6 +40,7 @@ from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExp
 
 from afd_core.connector import AFDConnector, FFNBatch
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
+from afd_core.profiling import recorder
 from afd_core.transfer import AttentionToFFN, FFNToAttention, PayloadKind
 from afd_moe_runners._vllm_compat import check_vllm_version
 from afd_moe_runners.npu.external_routing import ExternalRouting
@@ -260,8 +262,22 @@ class FFNLayerCompute:
 
     def serve_one(self, connector: AFDConnector, *, timeout_s: float | None = None) -> FFNBatch:
         """Receive one layer from the Attention peers, compute it, send the result back."""
+        rec = recorder("ffn", connector.rank)
+        if rec is None:
+            batch = connector.recv_from_attention(timeout_s=timeout_s)
+            connector.send_to_attention(batch, self.compute(batch.layer_idx, batch.payload))
+            return batch
+        t0 = time.perf_counter_ns()
         batch = connector.recv_from_attention(timeout_s=timeout_s)
-        connector.send_to_attention(batch, self.compute(batch.layer_idx, batch.payload))
+        t1 = time.perf_counter_ns()
+        result = self.compute(batch.layer_idx, batch.payload)
+        t2 = time.perf_counter_ns()
+        connector.send_to_attention(batch, result)
+        t3 = time.perf_counter_ns()
+        where = {"layer": batch.layer_idx, "mb": batch.micro_batch_idx}
+        rec.span("recv", t0, t1, tokens=batch.header.num_tokens, **where)
+        rec.span("compute", t1, t2, **where)
+        rec.span("return", t2, t3, **where)
         return batch
 
 

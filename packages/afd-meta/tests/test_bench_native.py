@@ -1,0 +1,195 @@
+"""``afd bench``'s native baselines (all cores / vLLM's default binding), the reference
+it picks for the AFD/native ratios, and ``afd demo``'s native spec; no vLLM process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+import afd.bench as bench
+from afd.bench import (
+    _plan_runs,
+    _ratios,
+    add_bench_arguments,
+    format_table,
+    native_config_cpus,
+    pick_native_reference,
+)
+from afd.demo import add_demo_arguments, demo_spec, native_spec
+from afd.launch import Deployment, DeploymentSpec
+
+
+def _lv(tok_s: float, tpot: float = 1.0) -> dict[str, Any]:
+    return {
+        "concurrency": 1,
+        "requests": 8,
+        "completed": 8,
+        "errors": [],
+        "output_tok_s": tok_s,
+        "ttft_ms": {"median": 10.0, "p99": 20.0},
+        "tpot_ms": {"median": tpot, "p99": tpot * 2},
+        "per_request": [],
+    }
+
+
+def test_reference_is_the_faster_native_config_per_level() -> None:
+    configs = {
+        "all-cores": {"1": _lv(100.0), "4": _lv(300.0), "8": _lv(500.0)},
+        "auto": {"1": _lv(120.0), "4": _lv(300.0), "8": _lv(400.0)},
+    }
+    results, chosen = pick_native_reference(configs, [1, 4, 8])
+    assert chosen == {"1": "auto", "4": "all-cores", "8": "all-cores"}  # a tie: the first
+    assert [results[c]["output_tok_s"] for c in ("1", "4", "8")] == [120.0, 300.0, 500.0]
+    assert results["1"]["native_config"] == "auto"
+    assert "native_config" not in configs["auto"]["1"]  # the inputs are left alone
+    # one config: it is the reference
+    results, chosen = pick_native_reference({"auto": configs["auto"]}, [1, 4])
+    assert chosen == {"1": "auto", "4": "auto"} and results["4"]["output_tok_s"] == 300.0
+
+
+def test_ratios_use_the_reference() -> None:
+    configs = {"all-cores": {"1": _lv(100.0, 2.0)}, "auto": {"1": _lv(200.0, 1.0)}}
+    native, _ = pick_native_reference(configs, [1])
+    ratios = _ratios({"native": native, "afd": {"1": _lv(50.0, 4.0)}}, [1])
+    assert ratios["1"]["output_tok_s"] == 0.25 and ratios["1"]["tpot_median"] == 4.0
+
+
+def test_native_config_cpus() -> None:
+    assert native_config_cpus("all-cores", [0, 1]) == "0-1"
+    assert native_config_cpus("all-cores", [0, 2, 3]) == "0,2-3"
+    assert native_config_cpus("auto", [0, 1]) == "auto"
+    with pytest.raises(ValueError, match="native config"):
+        native_config_cpus("half", [0, 1])
+
+
+def test_native_runs_get_their_config_cpus_not_the_attention_flag() -> None:
+    base = DeploymentSpec(model="/m", attention={"cpus": "0"}, ffn={"cpus": "1"})
+    runs = _plan_runs(base, ["native", "afd"], ["all-cores", "auto"], [0, 1])
+    assert [name for name, _ in runs] == ["native/all-cores", "native/auto", "afd"]
+    (_, all_cores), (_, auto), (_, afd) = runs
+    assert all_cores.native and all_cores.attention.cpus == ["0-1"]
+    assert auto.native and auto.attention.cpus == ["auto"]
+    assert not afd.native and afd.attention.cpus == ["0"] and afd.ffn.cpus == ["1"]
+    assert base.attention.cpus == ["0"]  # not changed by the native runs
+    # what the launcher then sets for them
+    for spec, want in ((all_cores, "0-1"), (auto, "auto")):
+        dep = Deployment(spec, visible_devices=[], usable_cpus=[0, 1])
+        assert dep.plan_cpus() == {"native0": want}
+    assert [n for n, _ in _plan_runs(base, ["native"], ["auto"], [0, 1])] == ["native/auto"]
+
+
+def _bench_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    add_bench_arguments(ap)
+    return ap.parse_args(argv)
+
+
+def test_bench_flags() -> None:
+    args = _bench_args([])
+    assert args.native_configs == "all-cores,auto"
+    assert args.connector is None  # the launcher's default (shared memory)
+    assert args.attention_cpus is None and args.ffn_cpus is None
+    args = _bench_args(["--attention-cpus", "0", "--ffn-cpus", "1", "--native-configs", "auto"])
+    assert (args.attention_cpus, args.ffn_cpus, args.native_configs) == ("0", "1", "auto")
+
+
+def test_bad_native_configs_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run_bench(_bench_args(["--native-configs", "all-cores,half"])) == 2
+    assert "native-configs: expected some of all-cores, auto" in capsys.readouterr().err
+
+
+class _FakeDeployment:
+    """Stands in for a deployment: its throughput depends on its CPUs."""
+
+    TOK_S: ClassVar[dict[str, dict[int, float]]] = {
+        "0-1": {1: 100.0, 4: 400.0},
+        "auto": {1: 150.0, 4: 300.0},
+        "afd": {1: 75.0, 4: 200.0},
+    }
+
+    def __init__(self, spec: DeploymentSpec, **_: Any) -> None:
+        self.spec = spec
+        self.url = "http://fake"
+        self.startup_s = 1.0
+        self.cpus = {"native0": spec.attention.cpus[0]} if spec.native else {"attn": "0"}
+
+    def __enter__(self) -> _FakeDeployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def test_bench_report_keeps_old_keys_and_adds_the_native_configs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    current: list[_FakeDeployment] = []
+
+    def fake_deployment(spec: DeploymentSpec, **kw: Any) -> _FakeDeployment:
+        current.append(_FakeDeployment(spec, **kw))
+        return current[-1]
+
+    def fake_level(url: str, prompts: Any, c: int, n: int, out_len: int, **kw: Any) -> dict:
+        dep = current[-1]
+        key = dep.cpus["native0"] if dep.spec.native else "afd"
+        return _lv(_FakeDeployment.TOK_S[key][c])
+
+    monkeypatch.setattr(bench, "Deployment", fake_deployment)
+    monkeypatch.setattr(bench, "run_level", fake_level)
+    monkeypatch.setattr(bench, "served_model", lambda url: "m")
+    monkeypatch.setattr(bench, "stream_completion", lambda *a, **k: None)
+    monkeypatch.setattr(bench, "usable_cpus", lambda: [0, 1])
+    monkeypatch.setattr(bench, "detect_cuda_devices", lambda: [])
+    out = tmp_path / "out"
+    args = _bench_args(
+        ["--model", str(tmp_path), "--concurrency", "1,4", "--out", str(out), "--no-plot"]
+    )
+    assert bench.run_bench(args) == 0
+    report = json.loads((out / "bench.json").read_text())
+    # old keys
+    assert set(report["results"]) == {"native", "afd"}
+    assert report["results"]["native"]["1"]["output_tok_s"] == 150.0  # auto was faster
+    assert report["results"]["native"]["4"]["output_tok_s"] == 400.0  # all cores were
+    assert report["ratio_afd_over_native"]["1"]["output_tok_s"] == 0.5
+    assert report["ratio_afd_over_native"]["4"]["output_tok_s"] == 0.5
+    assert report["startup_s"]["native"] == 1.0 and report["startup_s"]["afd"] == 1.0
+    assert report["settings"]["connector"] == "P2pShmAFDConnector"
+    # new keys
+    assert report["native_reference"] == {"1": "auto", "4": "all-cores"}
+    assert report["native_configs"]["all-cores"]["cpus"] == "0-1"
+    assert report["native_configs"]["auto"]["results"]["4"]["output_tok_s"] == 300.0
+    assert report["settings"]["cpus"]["native/all-cores"] == {"native0": "0-1"}
+    table = format_table(report)
+    assert "native all-cores tok/s" in table and "native auto tok/s" in table
+    assert "native ref" in table
+
+
+def test_table_without_native_configs_still_works() -> None:
+    report = {
+        "settings": {"concurrency": [1]},
+        "results": {"native": {"1": _lv(10.0)}, "afd": {"1": _lv(5.0)}},
+        "ratio_afd_over_native": {"1": {"output_tok_s": 0.5, "tpot_median": 1.0}},
+    }
+    table = format_table(report)
+    assert "native ref" not in table and "0.50" in table
+
+
+# ---------------------------------------------------------------- demo
+
+
+def test_demo_cpus_flags_and_native_gets_every_cpu() -> None:
+    ap = argparse.ArgumentParser()
+    add_demo_arguments(ap)
+    args = ap.parse_args(["--attention-cpus", "1", "--ffn-cpus", "0"])
+    spec = demo_spec("/m", args)
+    assert spec.attention.cpus == ["1"] and spec.ffn.cpus == ["0"]
+    assert spec.connector == "P2pShmAFDConnector"
+    native = native_spec(spec)
+    assert native.native and native.attention.cpus is None and spec.attention.cpus == ["1"]
+    dep = Deployment(native, visible_devices=[], usable_cpus=[0, 1])
+    assert dep.plan_cpus() == {"native0": "0-1"}
+    assert demo_spec("/m", ap.parse_args([])).attention.cpus is None

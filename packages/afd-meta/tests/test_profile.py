@@ -1,0 +1,81 @@
+"""``afd profile``: spans of both roles merged into a trace and per-step numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from afd import profile as afd_profile
+from afd_core import profiling
+
+MS = 1_000_000
+
+
+def _write_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int = 5) -> None:
+    """Two roles, 3 AFD layers per step: attention 1 ms per layer, FFN compute 2 ms,
+    the attention waits 2.5 ms per layer (0.5 ms overhead per layer)."""
+    monkeypatch.setattr(profiling, "_recorders", {})
+    monkeypatch.setenv(profiling.PROFILE_DIR_ENV, str(tmp_path))
+    attn = profiling.recorder("attention", 0)
+    ffn = profiling.recorder("ffn", 0)
+    assert attn is not None and ffn is not None
+    t = 0
+    for _ in range(steps):
+        for layer in (1, 2, 3):
+            t += 1 * MS  # attention work (or the step gap before layer 1)
+            attn.attention_sent(layer, 0, t, t + MS // 10, tokens=8)
+            ffn.span("recv", t - MS, t + MS // 5, layer=layer, mb=0, tokens=8)
+            ffn.span("compute", t + MS // 5, t + MS // 5 + 2 * MS, layer=layer, mb=0)
+            ffn.span("return", t + 2 * MS + MS // 5, t + 2 * MS + MS // 4, layer=layer, mb=0)
+            attn.attention_received(layer, 0, t + MS // 10, t + MS // 10 + 25 * MS // 10)
+            t += MS // 10 + 25 * MS // 10
+        t += 3 * MS  # sampling / scheduling
+    attn.flush()
+    ffn.flush()
+
+
+def test_summary_reports_ms_per_step_and_overhead_per_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write_run(tmp_path, monkeypatch)
+    summary = afd_profile.summarize(afd_profile.load_profile(tmp_path))
+    attn = next(e for e in summary["processes"] if e["role"] == "attention")
+    ffn = next(e for e in summary["processes"] if e["role"] == "ffn")
+    assert attn["steps"] == 4 and ffn["steps"] == 4  # the last (cut) step is dropped
+    assert attn["exchanges_per_step"] == 3
+    assert attn["ms_per_step"]["wait"] == pytest.approx(7.5)
+    assert attn["ms_per_step"]["attention"] == pytest.approx(2.0)  # layers 2 and 3
+    assert attn["ms_per_step"]["send"] == pytest.approx(0.3)
+    assert ffn["ms_per_step"]["compute"] == pytest.approx(6.0)
+    assert summary["afd_overhead_ms_per_layer"] == pytest.approx(0.5)
+    text = afd_profile.format_summary(summary, native_step_ms=4.0)
+    assert "0.500 ms per AFD layer" in text and "native vLLM" in text
+
+
+def test_trace_is_a_chrome_trace_with_one_track_per_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write_run(tmp_path, monkeypatch, steps=2)
+    out = afd_profile.write_trace(afd_profile.load_profile(tmp_path), tmp_path / "trace.json")
+    events = json.loads(out.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert any(n.startswith("attention rank 0") for n in names)
+    assert any(n.startswith("ffn rank 0") for n in names)
+    slices = [e for e in events if e["ph"] == "X"]
+    assert {e["cat"] for e in slices} >= {"send", "wait", "recv", "compute", "return"}
+    assert min(e["ts"] for e in slices) == 0.0
+    assert all(e["dur"] > 0 for e in slices)
+
+
+def test_plot_draws_one_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    _write_run(tmp_path, monkeypatch)
+    png = afd_profile.plot_step(afd_profile.load_profile(tmp_path), tmp_path / "step.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_empty_folder_says_how_to_record(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="AFD_PROFILE_DIR"):
+        afd_profile.load_profile(tmp_path)
