@@ -18,8 +18,8 @@ Categories:
   transfer), ``compute`` (the FFN block), ``return`` (``send_to_attention``).
 
 A span is a few hundred nanoseconds of bookkeeping; spans are buffered and written every
-:data:`FLUSH_EVERY` spans and at exit, and recording stops after ``AFD_PROFILE_MAX_SPANS``
-spans (default 400000) per process. Nothing here imports torch.
+:data:`FLUSH_EVERY` spans, at least once a second and at exit, and recording stops after
+``AFD_PROFILE_MAX_SPANS`` spans (default 400000) per process. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class SpanRecorder:
         self.recorded = 0
         self._buffer: list[str] = []
         self._lock = threading.Lock()
+        self._flushed_ns = time.perf_counter_ns()
         # Attention side: micro-batch -> (perf_counter_ns, layer) of its last answer.
         self._last: dict[int, tuple[int, int]] = {}
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -85,8 +86,11 @@ class SpanRecorder:
         line = json.dumps(record, separators=(",", ":"))
         with self._lock:
             self._buffer.append(line)
-            full = len(self._buffer) >= FLUSH_EVERY
-        if full:
+            # vLLM's workers can be killed without running atexit: write at least once a
+            # second so that a stopped deployment loses under a second of spans.
+            due = len(self._buffer) >= FLUSH_EVERY or end_ns - self._flushed_ns > 1_000_000_000
+        if due:
+            self._flushed_ns = end_ns
             self.flush()
 
     # -- the two roles' exchange points ---------------------------------------------

@@ -226,6 +226,7 @@ def _profile_report(
         native = results.get("native", {}).get(c, {}).get("tpot_ms", {})
         native_tpot = native.get("median") if isinstance(native, dict) else None
         summary["native_tpot_ms_median"] = native_tpot
+        summary["window_ns"] = list(window)
         summary["text"] = format_summary(summary, native_step_ms=native_tpot)
         try:
             png = plot_step(prof, profile_dir / f"step-c{c}.png", window=window,

@@ -269,7 +269,7 @@ def plot_step(
     rows = [p for p in profile.processes if p.role == "attention"] + [
         p for p in profile.processes if p.role == "ffn"
     ]
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * len(rows)))
+    fig, ax = plt.subplots(figsize=(12, 1.8 + 0.6 * len(rows)))
     for y, p in enumerate(rows):
         for s in p.spans:
             a, b = s["t0"] + p.offset_ns, s["t1"] + p.offset_ns
@@ -289,10 +289,9 @@ def plot_step(
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step's first send")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLOURS.values()]
-    ax.legend(handles, list(_COLOURS), ncol=7, fontsize=7, loc="upper center",
-              bbox_to_anchor=(0.5, -0.35))  # fmt: skip
+    fig.legend(handles, list(_COLOURS), ncol=7, fontsize=7, loc="lower center")
     ax.set_title(title or f"one decode step ({(w1 - w0) / 1e6:.2f} ms)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
