@@ -206,7 +206,7 @@ class Server(RoleProcess):
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(
-                    f"server exited {self.proc.returncode}:\n{self.output[-5000:]}"
+                    f"server exited {self.proc.returncode}:\n{self.output[-30000:]}"
                 )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
