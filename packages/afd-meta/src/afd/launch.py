@@ -429,21 +429,33 @@ def _check_env(name: str, env: Any) -> dict[str, str]:
 _DEVICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_:./-]*$")
 
 
-def _check_devices(name: str, value: Any, ranks: int) -> list[str] | None:
-    """``devices`` of a role: ``"0,1"`` or a list of entries, exactly one per rank."""
+def _per_rank_entries(
+    name: str, value: Any, sep: str, expected: str, entries: str
+) -> list[str] | None:
+    """A per-rank role setting (``devices``, ``cpus``) as strings: a ``sep``-separated
+    string or a list of str / int entries; None when unset."""
     if value is None:
         return None
     if isinstance(value, str):
-        items: list[Any] = value.split(",")
+        items: list[Any] = value.split(sep)
     elif isinstance(value, Sequence) and not isinstance(value, bytes):
         items = list(value)
     else:
-        raise SpecError(f'{name}: expected "0,1" or a list of device ids, got {value!r}')
-    out = []
+        raise SpecError(f"{name}: expected {expected}, got {value!r}")
     for item in items:
         if isinstance(item, bool) or not isinstance(item, str | int):
-            raise SpecError(f"{name}: expected device ids (str or int), got item {item!r}")
-        s = str(item).strip()
+            raise SpecError(f"{name}: expected {entries} (str or int), got item {item!r}")
+    return [str(item) for item in items]
+
+
+def _check_devices(name: str, value: Any, ranks: int) -> list[str] | None:
+    """``devices`` of a role: ``"0,1"`` or a list of entries, exactly one per rank."""
+    items = _per_rank_entries(name, value, ",", '"0,1" or a list of device ids', "device ids")
+    if items is None:
+        return None
+    out = []
+    for item in items:
+        s = item.strip()
         if not _DEVICE_ID.match(s):
             raise SpecError(
                 f"{name}: {s!r} is not a device id (an index like 0 or a UUID like GPU-...)"
@@ -495,19 +507,12 @@ def _check_cpus(name: str, value: Any, ranks: int, *, whole: bool) -> list[str] 
     """``cpus`` of a role: one CPU list per rank (a list, or a string with ``|`` between
     ranks), or ``"auto"`` / ``"nobind"``. ``whole``: the ranks are the DP ranks of one
     server, so a keyword stands for all of them."""
-    if value is None:
+    items = _per_rank_entries(name, value, "|", '"0-1", a list of CPU lists or "auto"', "CPU lists")
+    if items is None:
         return None
-    if isinstance(value, str):
-        items: list[Any] = value.split("|")
-    elif isinstance(value, Sequence) and not isinstance(value, bytes):
-        items = list(value)
-    else:
-        raise SpecError(f'{name}: expected "0-1", a list of CPU lists or "auto", got {value!r}')
     out = []
     for item in items:
-        if isinstance(item, bool) or not isinstance(item, str | int):
-            raise SpecError(f"{name}: expected CPU lists (str or int), got item {item!r}")
-        s = str(item).replace(" ", "")
+        s = item.replace(" ", "")
         if s not in _CPU_BIND_KEYWORDS:
             try:
                 parse_cpu_list(s)
