@@ -55,18 +55,20 @@ IDLE_S = 4 * IDLE_TRANSFER_TIMEOUT_S
 
 
 @pytest.mark.parametrize(
-    ("arch", "num_attention", "gate", "idle"),
+    ("arch", "num_attention", "gate", "idle", "micro_batches"),
     [
-        ("deepseek_v2", 1, "ffn", False),
-        ("deepseek_v3", 1, "attention-topk", False),
-        ("deepseek_v2", 2, "ffn", True),
-        ("deepseek_v3", 2, "attention-topk", False),
+        ("deepseek_v2", 1, "ffn", False, 1),
+        ("deepseek_v3", 1, "attention-topk", False, 1),
+        ("deepseek_v2", 2, "ffn", True, 1),
+        ("deepseek_v3", 2, "attention-topk", False, 2),
     ],
     ids=[
         "v2-1A1F-gate_ffn",
         "v3-1A1F-gate_attention",
         "v2-2A1F-gate_ffn-idle",
-        "v3-2A1F-gate_attention",
+        # one request at a time: the busy DP rank runs it whole, every rank adds a shadow
+        # micro-batch (zero tokens) so both send 2 micro-batches per layer
+        "v3-2A1F-gate_attention-m2",
     ],
 )
 def test_served_tokens_equal_native_and_sigterm_stops_everything(
@@ -77,8 +79,11 @@ def test_served_tokens_equal_native_and_sigterm_stops_everything(
     num_attention: int,
     gate: str,
     idle: bool,
+    micro_batches: int,
 ) -> None:
     extra: dict[str, Any] = {"transfer_timeout_s": IDLE_TRANSFER_TIMEOUT_S} if idle else {}
+    if micro_batches > 1:
+        extra["num_micro_batches"] = micro_batches
     afd = afd_settings(gate, num_attention_ranks=num_attention, num_ffn_ranks=1, **extra)
     got, attention_log, ffn_log = run_served_afd(
         tiny_models[arch], afd, tmp_path, PROMPTS, idle_s=IDLE_S if idle else 0.0
@@ -88,3 +93,5 @@ def test_served_tokens_equal_native_and_sigterm_stops_everything(
     # Both live roles reported what they hold.
     assert_role_inventories(attention_log, ffn_log, gate_on_attention=gate != "ffn")
     assert_same_tokens(got, native_served(arch), PROMPTS, "native vllm serve")
+    if micro_batches > 1:
+        assert f"ping-pong micro-batching with {micro_batches} micro-batches" in attention_log

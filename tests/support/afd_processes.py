@@ -127,10 +127,20 @@ def offline_greedy(
     tmp: Path,
     llm_kwargs: dict[str, Any] | None = None,
     timeout: float = 400,
+    *,
+    prompts: list[str] | None = None,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
     """``python -m afd.reference`` (vllm.LLM, eager, greedy) in a fresh process: the
-    Attention role when ``llm_kwargs`` has an ``afd`` section, else native vLLM."""
+    Attention role when ``llm_kwargs`` has an ``afd`` section, else native vLLM.
+    ``prompts``: instead of the fixed prompts; ``dtype``: instead of bfloat16."""
     cmd = [sys.executable, "-m", "afd.reference", str(model), "--json", str(out)]
+    if prompts is not None:
+        prompts_file = out.with_suffix(".prompts.json")
+        prompts_file.write_text(json.dumps(prompts))
+        cmd += ["--prompts-file", str(prompts_file)]
+    if dtype is not None:
+        cmd += ["--dtype", dtype]
     if llm_kwargs:
         cmd += ["--llm-kwargs", json.dumps(llm_kwargs)]
     afd = (llm_kwargs or {}).get("additional_config", {}).get("afd")
@@ -294,21 +304,30 @@ def afd_settings(gate: str, **extra: Any) -> dict[str, Any]:
 
 
 def run_offline_afd(
-    model: Path, alias: str, afd: dict[str, Any], tmp: Path
+    model: Path,
+    alias: str,
+    afd: dict[str, Any],
+    tmp: Path,
+    *,
+    prompts: list[str] | None = None,
+    dtype: str | None = None,
 ) -> tuple[dict[str, Any], str]:
     """1 FFN server + the Attention role as a ``vllm.LLM`` engine generating the fixed
-    prompts in one batch. Returns (result, FFN log); the FFN must leave on its own (0)."""
-    ffn = FFNServer(model, {**afd, "role": "ffn"}, tmp)
+    prompts (or ``prompts``) in one batch. Returns (result, FFN log); the FFN must leave
+    on its own (0). With ``afd["num_micro_batches"]`` > 1 the Attention role gets the AFD
+    worker, as ``afd serve`` gives it."""
+    ffn_extra = ["--dtype", dtype] if dtype else []
+    ffn = FFNServer(model, {**afd, "role": "ffn"}, tmp, *ffn_extra)
+    llm_kwargs: dict[str, Any] = {
+        "hf_overrides": {"architectures": [alias]},
+        "additional_config": {"afd": {**afd, "role": "attention"}},
+    }
+    if int(afd.get("num_micro_batches", 1)) > 1:
+        llm_kwargs["worker_cls"] = "afd.worker.AFDCPUWorker"
     try:
         ffn.wait_ready()
         result = offline_greedy(
-            model,
-            tmp / "afd.json",
-            tmp,
-            {
-                "hf_overrides": {"architectures": [alias]},
-                "additional_config": {"afd": {**afd, "role": "attention"}},
-            },
+            model, tmp / "afd.json", tmp, llm_kwargs, prompts=prompts, dtype=dtype
         )
         assert ffn.wait_exit(timeout=30) == 0, ffn.output[-3000:]
     finally:
@@ -350,9 +369,14 @@ def run_served_afd(
 
 
 def assert_same_tokens(
-    got: list[list[int]], want: list[list[int]], prompts: list[str], what: str = "native vLLM"
+    got: list[list[int]],
+    want: list[list[int]],
+    prompts: list[str],
+    what: str = "native vLLM",
+    *,
+    min_prompts: int = 8,
 ) -> None:
-    assert len(prompts) >= 8
+    assert len(prompts) >= min_prompts
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert len(w) == 32
         assert g == w, f"prompt {i} ({prompts[i]!r}) diverged from {what}"

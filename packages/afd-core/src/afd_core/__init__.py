@@ -22,6 +22,7 @@ from afd_core.errors import (
 from afd_core.forward_context import (
     AFD_CONTEXT_KEY,
     AFDStepMetadata,
+    MicroBatchScheduler,
     find_step_metadata,
     get_step_metadata,
     set_step_metadata,
@@ -67,6 +68,7 @@ __all__ = [
     # forward context
     "AFD_CONTEXT_KEY",
     "AFDStepMetadata",
+    "MicroBatchScheduler",
     "find_step_metadata",
     "get_step_metadata",
     "set_step_metadata",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from afd_core.connector import AFDConnector
 from afd_core.errors import AFDMetadataMissingError
@@ -20,6 +20,7 @@ from afd_core.errors import AFDMetadataMissingError
 __all__ = [
     "AFD_CONTEXT_KEY",
     "AFDStepMetadata",
+    "MicroBatchScheduler",
     "set_step_metadata",
     "get_step_metadata",
     "find_step_metadata",
@@ -32,6 +33,23 @@ _HOW_TO_FIX = (
     "the AFD runtime must attach step metadata with afd_core.forward_context."
     "set_step_metadata(); is the afd plugin loaded and additional_config['afd'] set?"
 )
+
+
+@runtime_checkable
+class MicroBatchScheduler(Protocol):
+    """What runs the micro-batches of one forward step in turn (ping-pong overlap).
+
+    An AFD layer calls :meth:`on_send` right after it sent its payload to the FFN role
+    and :meth:`yield_turn` before it waits for the answer: the scheduler then lets the
+    next micro-batch compute (its attention, its own send) while the FFN role computes
+    this one, and returns when it is this micro-batch's turn again.
+    """
+
+    def on_send(self, layer_idx: int, micro_batch_idx: int, payload: Any) -> None:
+        """``payload`` (an ``AttentionToFFN``) was sent for ``layer_idx``."""
+
+    def yield_turn(self, layer_idx: int, micro_batch_idx: int) -> None:
+        """Let the other micro-batches run; return when this one may receive."""
 
 
 @dataclass
@@ -47,6 +65,8 @@ class AFDStepMetadata:
     num_micro_batches: int = 1
     is_dummy_run: bool = False
     """Profiling / warm-up step; the FFN role still answers it."""
+    scheduler: MicroBatchScheduler | None = None
+    """Runs this step's micro-batches in turn (None: one micro-batch, nothing to yield to)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Connector- or model-specific side data (kept out of the common contract)."""
 

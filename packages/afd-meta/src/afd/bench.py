@@ -297,6 +297,12 @@ def add_bench_arguments(ap: Any) -> None:
         help="AFD connector of the AFD deployment (default: P2pShmAFDConnector, the "
         "launcher's same-host default; e.g. P2pGlooAFDConnector)",
     )
+    ap.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="afd.num_micro_batches of the AFD deployment (ping-pong overlap; default 1)",
+    )
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--out", default="afd-bench", help="folder for bench.json and bench.png")
     ap.add_argument("--log-dir", help="keep role logs here (default: a temporary folder)")
@@ -323,6 +329,8 @@ def run_bench(args: Any) -> int:
         bad = [m for m in modes if m not in MODES]
         if bad or not modes:
             raise ValueError(f"modes: expected some of {', '.join(MODES)}, got {args.modes!r}")
+        if args.micro_batches < 1:
+            raise ValueError("--micro-batches must be >= 1")
         if args.output_len < 2:
             raise ValueError("--output-len must be >= 2 (TPOT needs two tokens)")
         native_configs = [c.strip() for c in str(args.native_configs).split(",") if c.strip()]
@@ -350,7 +358,10 @@ def run_bench(args: Any) -> int:
             max_model_len=args.max_model_len,
             compute_gate_on_attention=bool(args.gate_on_attention),
             startup_timeout_s=300.0,
-            afd={"connector": args.connector} if args.connector else {},
+            afd={
+                **({"connector": args.connector} if args.connector else {}),
+                **({"num_micro_batches": args.micro_batches} if args.micro_batches > 1 else {}),
+            },
             attention={"cpus": args.attention_cpus},
             ffn={"cpus": args.ffn_cpus},
         )
@@ -443,6 +454,7 @@ def run_bench(args: Any) -> int:
             "enforce_eager": base.enforce_eager,
             "compute_gate_on_attention": base.compute_gate_on_attention,
             "connector": base.connector,
+            "num_micro_batches": args.micro_batches,
             "thread_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
             "attention_cpus": args.attention_cpus,
             "ffn_cpus": args.ffn_cpus,

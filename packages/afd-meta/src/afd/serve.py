@@ -107,8 +107,29 @@ def prepare_role_args(role: str, model: str, rest: list[str]) -> list[str]:
     ]
 
 
+def attention_worker_args(argv: list[str], *, cuda: bool | None = None) -> list[str]:
+    """``--worker-cls`` of the AFD worker when the Attention role micro-batches.
+
+    Empty when ``afd.num_micro_batches`` is 1 or the command already names a worker.
+    """
+    if any(a == "--worker-cls" or a.startswith("--worker-cls=") for a in argv):
+        return []
+    probe = list(argv)
+    afd_section = _json_option(probe, "--additional-config").get("afd") or {}
+    if int(afd_section.get("num_micro_batches", 1) or 1) <= 1:
+        return []
+    if cuda is None:
+        import torch
+
+        cuda = bool(torch.cuda.is_available())
+    from afd_moe_runners.role_model import AFD_WORKERS
+
+    return ["--worker-cls", AFD_WORKERS["cuda" if cuda else "cpu"]]
+
+
 def serve_attention(model: str, rest: list[str]) -> int:
     argv = prepare_role_args("attention", model, rest)
+    argv += attention_worker_args(argv)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *argv]
     logger.info("afd serve --role attention: %s", " ".join(cmd))
     sys.stdout.flush()

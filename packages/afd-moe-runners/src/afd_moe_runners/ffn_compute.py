@@ -227,6 +227,8 @@ class FFNLayerCompute:
         kind = payload.kind
         hidden = payload.hidden_states
         assert isinstance(hidden, torch.Tensor)
+        if hidden.shape[0] == 0:
+            return self._empty_result(layer_idx, runner, payload)
         if kind is PayloadKind.HIDDEN:
             if runner is not None and self.shared_experts_on_attention:
                 raise AFDTransferMismatchError(
@@ -259,6 +261,20 @@ class FFNLayerCompute:
         raise AFDConfigError(
             f"layer {layer_idx}: payload kind {kind.name} is not supported by FFNLayerCompute"
         )
+
+    def _empty_result(
+        self, layer_idx: int, runner: MoERunner | None, payload: AttentionToFFN
+    ) -> FFNToAttention:
+        """The answer to a zero-token message (a shadow micro-batch of every attention
+        peer at once): nothing to compute, but the kinds must match a real answer."""
+        hidden = payload.hidden_states
+        assert isinstance(hidden, torch.Tensor)
+        if payload.kind is PayloadKind.HIDDEN or runner is None:
+            return FFNToAttention(hidden.new_empty((0, hidden.shape[1])))
+        out = hidden.new_empty((0, hidden.shape[1]))
+        if self.shared_experts_on_attention or runner.shared_experts is None:
+            return FFNToAttention(out)
+        return FFNToAttention(out, shared_output=hidden.new_empty((0, hidden.shape[1])))
 
     def serve_one(self, connector: AFDConnector, *, timeout_s: float | None = None) -> FFNBatch:
         """Receive one layer from the Attention peers, compute it, send the result back."""

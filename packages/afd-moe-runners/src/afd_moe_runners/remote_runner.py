@@ -24,7 +24,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.transfer import AttentionToFFN
-from afd_moe_runners.exchange import MicroBatchYield, no_yield, send_to_ffn
+from afd_moe_runners.exchange import MicroBatchYield, scheduler_yield, send_to_ffn
 from afd_moe_runners.remote_experts import check_attention_moe_layer, require_remote_experts
 
 __all__ = [
@@ -58,7 +58,7 @@ class AttentionRunnerForward:
 
     def _init_exchange(self, layer_name: str, micro_batch_yield: MicroBatchYield | None) -> None:
         self.afd_layer_idx = extract_layer_index(layer_name)
-        self.micro_batch_yield: MicroBatchYield = micro_batch_yield or no_yield
+        self.micro_batch_yield: MicroBatchYield = micro_batch_yield or scheduler_yield
 
     @property
     def is_internal_router(self) -> bool:

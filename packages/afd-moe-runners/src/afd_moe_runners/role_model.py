@@ -29,7 +29,7 @@ from afd_core.forward_context import AFDStepMetadata, set_step_metadata
 from afd_core.registry import create_connector, get_connector_class
 from afd_core.weights import RoleWeightStats, WeightOwner, filter_role_weights
 from afd_moe_runners.dense import RemoteDenseMLP
-from afd_moe_runners.exchange import no_yield
+from afd_moe_runners.exchange import no_yield, scheduler_yield
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,10 @@ __all__ = [
     "attention_factory",
     "check_supported_parallelism",
     "compiled_graph_problem",
+    "micro_batching_problem",
     "layer_index",
     "no_yield",
+    "scheduler_yield",
     "parameter_inventory",
 ]
 
@@ -73,6 +75,10 @@ def check_supported_parallelism(vllm_config: VllmConfig, model_name: str) -> Non
         if problem is not None:
             raise AFDConfigError(problem)
     pc = vllm_config.parallel_config
+    if afd.role is AFDRole.ATTENTION and afd.num_micro_batches > 1:
+        problem = micro_batching_problem(vllm_config, afd.num_micro_batches)
+        if problem is not None:
+            raise AFDConfigError(f"{model_name}: {problem}")
     for name, value in (
         ("tensor_parallel_size", pc.tensor_parallel_size),
         ("pipeline_parallel_size", pc.pipeline_parallel_size),
@@ -85,6 +91,36 @@ def check_supported_parallelism(vllm_config: VllmConfig, model_name: str) -> Non
             )
     if pc.enable_eplb:
         raise AFDConfigError(f"{model_name}: EPLB is not supported by afd yet; disable it")
+
+
+#: ``--worker-cls`` of the Attention role with ``afd.num_micro_batches`` > 1, per device.
+AFD_WORKERS = {"cpu": "afd.worker.AFDCPUWorker", "cuda": "afd.worker.AFDGPUWorker"}
+
+
+def micro_batching_problem(vllm_config: Any, num_micro_batches: int) -> str | None:
+    """Why this Attention engine cannot run ``num_micro_batches`` > 1, or None."""
+    worker = str(getattr(vllm_config.parallel_config, "worker_cls", ""))
+    if not worker.startswith("afd.worker."):
+        device = _current_device_type()
+        wanted = AFD_WORKERS.get(device)
+        if wanted is None:
+            return (
+                f"afd.num_micro_batches={num_micro_batches} is not supported on {device} "
+                "yet; set afd.num_micro_batches=1"
+            )
+        return (
+            f"afd.num_micro_batches={num_micro_batches} needs the AFD worker, which "
+            f"splits each step into micro-batches: start the Attention role with "
+            f"--worker-cls {wanted} (afd serve and afd launch add it), got worker_cls="
+            f"{worker!r}"
+        )
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return (
+            f"afd.num_micro_batches={num_micro_batches} cannot be combined with "
+            "speculative decoding yet; set afd.num_micro_batches=1 or drop the "
+            "speculative config"
+        )
+    return None
 
 
 # Platforms whose compiled / graph-captured forward afd refuses (the AFD exchange in each
@@ -205,6 +241,7 @@ class RoleRuntime:
         self.rank = (
             afd.rank if afd.rank is not None else vllm_config.parallel_config.data_parallel_rank
         )
+        self.data_parallel_size = int(vllm_config.parallel_config.data_parallel_size)
         self._check_inventory(model, when="construction")
         if afd.role is AFDRole.ATTENTION:
             self.connector = create_connector(afd, rank=self.rank)
@@ -231,6 +268,38 @@ class RoleRuntime:
             return
         set_step_metadata(get_forward_context(), AFDStepMetadata(connector=self.connector))
 
+    def run_forward(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run the native model ``forward`` for this step, micro-batched when planned.
+
+        The Attention role with ``afd.num_micro_batches`` = m > 1 runs the step as m
+        micro-batches (:mod:`afd_moe_runners.micro_batching`) when the model runner
+        planned a split, and, with several attention ranks, always (shadow micro-batches
+        keep every rank's message sequence the same). Otherwise it runs whole.
+        """
+        if self.connector is None or not is_forward_context_available():
+            return forward(*args, **kwargs)
+        from afd_moe_runners import micro_batching
+
+        ctx = get_forward_context()
+        plan = ctx.additional_kwargs.pop(micro_batching.MICRO_BATCH_PLAN_KEY, None)
+        m = self.afd.num_micro_batches
+        if m > 1 and (plan is not None or self.data_parallel_size > 1):
+            call = _bind_forward(args, kwargs)
+            if call["intermediate_tensors"] is None:
+                return micro_batching.run_micro_batches(
+                    forward,
+                    ctx,
+                    self.connector,
+                    m,
+                    plan,
+                    call["input_ids"],
+                    call["positions"],
+                    call["inputs_embeds"],
+                    **call["rest"],
+                )
+        set_step_metadata(ctx, AFDStepMetadata(connector=self.connector))
+        return forward(*args, **kwargs)
+
     def _check_inventory(self, model: nn.Module, *, when: str) -> None:
         inventory = parameter_inventory(model)
         bad = {c: inventory[c] for c in _forbidden_categories(self.afd) if inventory.get(c)}
@@ -252,6 +321,21 @@ class RoleRuntime:
             " ".join(f"{k}={v}" for k, v in sorted(self.inventory.items())),
             stats.summary(),
         )
+
+
+def _bind_forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's model call ``(input_ids, positions, intermediate_tensors, inputs_embeds,
+    **model_kwargs)`` by name."""
+    names = ("input_ids", "positions", "intermediate_tensors", "inputs_embeds")
+    rest = dict(kwargs)
+    call: dict[str, Any] = dict.fromkeys(names)
+    for name, value in zip(names, args, strict=False):
+        call[name] = value
+    for name in names:
+        if name in rest:
+            call[name] = rest.pop(name)
+    call["rest"] = rest
+    return call
 
 
 class AFDRoleModel:
@@ -277,8 +361,7 @@ class AFDRoleModel:
         return inner.model.layers  # type: ignore[no-any-return]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.afd_runtime.attach_step_metadata()
-        return super().forward(*args, **kwargs)  # type: ignore[misc]
+        return self.afd_runtime.run_forward(super().forward, *args, **kwargs)  # type: ignore[misc]
 
     def afd_ffn_blocks(self) -> dict[int, nn.Module]:
         """Decoder-layer index -> that layer's FFN block (MoE block or dense MLP)."""

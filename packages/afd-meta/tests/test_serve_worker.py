@@ -1,0 +1,39 @@
+"""``afd serve --role attention`` picks the AFD worker only when the role micro-batches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from afd.serve import attention_worker_args
+
+
+def _argv(afd: dict[str, object]) -> list[str]:
+    return ["--model", "m", "--additional-config", json.dumps({"afd": afd})]
+
+
+@pytest.mark.parametrize(("cuda", "worker"), [(False, "AFDCPUWorker"), (True, "AFDGPUWorker")])
+def test_micro_batching_adds_the_afd_worker(cuda: bool, worker: str) -> None:
+    argv = _argv({"role": "attention", "num_micro_batches": 2})
+    assert attention_worker_args(argv, cuda=cuda) == ["--worker-cls", f"afd.worker.{worker}"]
+    assert "--additional-config" in argv  # the probe does not consume the caller's args
+
+
+def test_one_micro_batch_or_an_explicit_worker_adds_nothing() -> None:
+    assert attention_worker_args(_argv({"role": "attention"}), cuda=False) == []
+    explicit = [*_argv({"num_micro_batches": 3}), "--worker-cls", "my.Worker"]
+    assert attention_worker_args(explicit, cuda=False) == []
+
+
+def test_micro_batches_of_reads_the_attention_role_only() -> None:
+    from types import SimpleNamespace
+
+    from afd.worker import micro_batches_of
+
+    def cfg(afd: dict[str, object]) -> object:
+        return SimpleNamespace(additional_config={"afd": afd})
+
+    assert micro_batches_of(cfg({"role": "attention", "num_micro_batches": 3})) == 3
+    assert micro_batches_of(cfg({"role": "ffn", "num_micro_batches": 3})) == 1
+    assert micro_batches_of(SimpleNamespace(additional_config={})) == 1
