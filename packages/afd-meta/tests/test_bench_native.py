@@ -17,6 +17,7 @@ from afd.bench import (
     add_bench_arguments,
     format_table,
     native_config_cpus,
+    parse_micro_batches,
     pick_native_reference,
 )
 from afd.demo import add_demo_arguments, demo_spec, native_spec
@@ -166,6 +167,65 @@ def test_bench_report_keeps_old_keys_and_adds_the_native_configs(
     table = format_table(report)
     assert "native all-cores tok/s" in table and "native auto tok/s" in table
     assert "native ref" in table
+
+
+def test_parse_micro_batches() -> None:
+    assert parse_micro_batches("2") == [2]
+    assert parse_micro_batches("1, 2,3") == [1, 2, 3]
+    assert parse_micro_batches(3) == [3]
+    for bad in ("0", "1,1", "", "two"):
+        with pytest.raises(ValueError, match="--micro-batches"):
+            parse_micro_batches(bad)
+
+
+def test_one_afd_run_per_micro_batch_count() -> None:
+    base = DeploymentSpec(model="/m", afd={"num_micro_batches": 3, "transfer_timeout_s": 9})
+    runs = _plan_runs(base, ["native", "afd"], ["auto"], [0, 1], [1, 2])
+    assert [name for name, _ in runs] == ["native/auto", "afd/m1", "afd/m2"]
+    assert runs[1][1].afd == {"transfer_timeout_s": 9}  # m = 1: the key is left out (the default)
+    assert runs[2][1].afd == {"transfer_timeout_s": 9, "num_micro_batches": 2}
+    assert [n for n, _ in _plan_runs(base, ["afd"], [], [0, 1], [2])] == ["afd"]
+
+
+def test_bench_measures_every_m_and_reports_the_best_per_level(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tok_s = {1: {1: 80.0, 16: 600.0}, 2: {1: 70.0, 16: 700.0}, 3: {1: 60.0, 16: 650.0}}
+    native = {1: 100.0, 16: 800.0}
+    current: list[DeploymentSpec] = []
+
+    def fake_deployment(spec: DeploymentSpec, **kw: Any) -> _FakeDeployment:
+        current.append(spec)
+        return _FakeDeployment(spec, **kw)
+
+    def fake_level(url: str, prompts: Any, c: int, n: int, out_len: int, **kw: Any) -> dict:
+        spec = current[-1]
+        if spec.native:
+            return _lv(native[c])
+        return _lv(tok_s[int(spec.afd.get("num_micro_batches", 1))][c])
+
+    monkeypatch.setattr(bench, "Deployment", fake_deployment)
+    monkeypatch.setattr(bench, "run_level", fake_level)
+    monkeypatch.setattr(bench, "served_model", lambda url: "m")
+    monkeypatch.setattr(bench, "stream_completion", lambda *a, **k: None)
+    monkeypatch.setattr(bench, "usable_cpus", lambda: [0, 1])
+    monkeypatch.setattr(bench, "detect_cuda_devices", lambda: [])
+    out = tmp_path / "out"
+    argv = ["--model", str(tmp_path), "--concurrency", "1,16", "--out", str(out), "--no-plot"]
+    args = _bench_args([*argv, "--native-configs", "auto", "--micro-batches", "1,2,3"])
+    assert bench.run_bench(args) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["settings"]["num_micro_batches"] == [1, 2, 3]
+    assert report["afd_best_micro_batches"] == {"1": 1, "16": 2}
+    assert report["results"]["afd"]["16"]["output_tok_s"] == 700.0
+    assert report["results"]["afd"]["16"]["num_micro_batches"] == 2
+    assert report["ratio_afd_over_native"]["16"]["output_tok_s"] == 0.875
+    by_m = report["afd_micro_batches"]
+    assert by_m["3"]["results"]["16"]["output_tok_s"] == 650.0
+    assert by_m["1"]["ratio_over_native"]["1"]["output_tok_s"] == 0.8
+    table = capsys.readouterr().out
+    assert "afd m=3 tok/s" in table and "m=2/native" in table and "best m" in table
+    assert bench.run_bench(_bench_args([*argv, "--micro-batches", "1,0"])) == 2
 
 
 def test_table_without_native_configs_still_works() -> None:

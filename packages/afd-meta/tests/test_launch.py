@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import socket
 import sys
 import threading
@@ -15,6 +16,7 @@ import pytest
 from afd.bench import format_table, percentile
 from afd.demo import compare_tokens
 from afd.launch import (
+    CPU_BIND,
     Deployment,
     DeploymentError,
     DeploymentSpec,
@@ -22,6 +24,7 @@ from afd.launch import (
     SpecError,
     add_launch_arguments,
     allocate_ports,
+    bind_affinity,
     prefix_lines,
     role_env,
     spec_from_args,
@@ -257,6 +260,41 @@ def test_role_output_is_prefixed_logged_and_marks_ready(tmp_path: Path) -> None:
     assert "hello\n" in log and log.startswith("# ")  # first line: the command
     assert role.check_ready()
     assert role.last_lines(1) == ["INFO AFD FFN server ready in 1 s\n"]
+
+
+def test_bind_affinity() -> None:
+    assert bind_affinity("0") == [0]
+    assert bind_affinity("2-3,0") == [0, 2, 3]
+    assert bind_affinity("0|1") == [0, 1]  # a DP server's ranks: the union
+    for value in ("auto", "nobind", "", "0|auto"):
+        assert bind_affinity(value) is None
+
+
+def test_a_bound_role_process_and_its_children_stay_on_their_cpus(tmp_path: Path) -> None:
+    # vLLM binds only its worker's OpenMP threads; the role's other processes (API server,
+    # engine core) must not float onto another role's CPUs. A child started later
+    # inherits the affinity.
+    cpu = min(os.sched_getaffinity(0))
+    code = (
+        "import os, subprocess, sys; print('self', sorted(os.sched_getaffinity(0))); "
+        "subprocess.run([sys.executable, '-c', "
+        "'import os; print(\"child\", sorted(os.sched_getaffinity(0)))'])"
+    )
+    role = _fake_role(tmp_path, code)
+    role.env[CPU_BIND] = str(cpu)
+    console = io.StringIO()
+    role.start(console, threading.Lock())
+    assert role.proc is not None
+    role.proc.wait(20)
+    role.join_output()
+    assert console.getvalue().splitlines() == [f"[ffn0] self [{cpu}]", f"[ffn0] child [{cpu}]"]
+    unbound = _fake_role(tmp_path, code, name="ffn1")  # no CPU list: left as it was
+    console = io.StringIO()
+    unbound.start(console, threading.Lock())
+    assert unbound.proc is not None
+    unbound.proc.wait(20)
+    unbound.join_output()
+    assert f"self {sorted(os.sched_getaffinity(0))}" in console.getvalue()
 
 
 def _spec_with_fake_roles(tmp_path: Path) -> DeploymentSpec:

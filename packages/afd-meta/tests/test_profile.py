@@ -79,3 +79,68 @@ def test_plot_draws_one_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 def test_an_empty_folder_says_how_to_record(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="AFD_PROFILE_DIR"):
         afd_profile.load_profile(tmp_path)
+
+
+def _write_ping_pong(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int = 4) -> None:
+    """Two micro-batches taking turns on the attention role as the ping-pong scheduler
+    runs them, 2 AFD layers per step: a turn is the wait for the micro-batch's previous
+    answer (0.4 ms), 1 ms of attention work and a 0.1 ms send; after the last layer each
+    micro-batch waits for its answer; 3 ms of sampling/scheduling end each step."""
+    monkeypatch.setattr(profiling, "_recorders", {})
+    monkeypatch.setenv(profiling.PROFILE_DIR_ENV, str(tmp_path))
+    attn = profiling.recorder("attention", 0)
+    ffn = profiling.recorder("ffn", 0)
+    assert attn is not None and ffn is not None
+    t = 0
+    wait = 4 * MS // 10
+
+    for _ in range(steps):
+        for layer in (1, 2):
+            for mb in (0, 1):
+                if layer > 1:
+                    attn.attention_received(layer - 1, mb, t, t + wait)
+                    t += wait
+                t += MS  # this micro-batch's attention work
+                attn.attention_sent(layer, mb, t, t + MS // 10, tokens=4)
+                ffn.span("recv", t, t + MS // 10, layer=layer, mb=mb, tokens=4)
+                ffn.span("compute", t + MS // 10, t + MS, layer=layer, mb=mb)
+                ffn.span("return", t + MS, t + MS + MS // 10, layer=layer, mb=mb)
+                t += MS // 10
+        for mb in (0, 1):
+            attn.attention_received(2, mb, t, t + wait)
+            t += wait
+        t += 3 * MS
+    attn.flush()
+    ffn.flush()
+
+
+def test_summary_counts_the_step_gap_once_with_micro_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write_ping_pong(tmp_path, monkeypatch)
+    summary = afd_profile.summarize(afd_profile.load_profile(tmp_path))
+    attn = next(e for e in summary["processes"] if e["role"] == "attention")
+    assert attn["steps"] == 3 and attn["micro_batches"] == 2
+    # per step: 4 turns of 1 ms work + 0.1 ms send, 4 waits of 0.4 ms, 3 ms gap
+    assert attn["step_ms_mean"] == pytest.approx(4 * 1.1 + 4 * 0.4 + 3)
+    assert attn["ms_per_step"]["send"] == pytest.approx(0.4)
+    assert attn["ms_per_step"]["wait"] == pytest.approx(1.6)
+    assert attn["ms_per_step"]["attention"] == pytest.approx(2.0)  # layer 2 of each mb
+    # layer 1's work of both micro-batches + the 3 ms between steps, counted once (the
+    # two micro-batches' own step-gap spans overlap: summed they would give 9.5 ms)
+    assert attn["ms_per_step"]["step_gap"] == pytest.approx(5.0)
+    # FFN compute overlaps the attention role's waits: no per-layer overhead is derived
+    assert "afd_overhead_ms_per_layer" not in summary
+
+
+def test_plot_steps_draws_one_panel_per_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    _write_run(tmp_path / "m1", monkeypatch)
+    _write_ping_pong(tmp_path / "m2", monkeypatch)
+    panels = [(f"m={m}", afd_profile.load_profile(tmp_path / f"m{m}"), None) for m in (1, 2)]
+    png = afd_profile.plot_steps(panels, tmp_path / "steps.png", title="m=1 vs m=2")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="nothing to plot"):
+        afd_profile.plot_steps([], tmp_path / "none.png")

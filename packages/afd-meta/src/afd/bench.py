@@ -205,47 +205,71 @@ def native_config_cpus(config: str, cpus: Sequence[int]) -> str:
 
 def _profile_report(
     profile_dir: Path,
-    windows: dict[str, tuple[int, int]],
+    windows: dict[int, dict[str, tuple[int, int]]],
+    micro_batches: Sequence[int],
     results: dict[str, Any],
     say: Any,
 ) -> dict[str, Any]:
-    """Per concurrency level: the AFD deployment's per-step summary (its spans inside the
-    level's time window) next to native's median TPOT at that level; plus the trace and
-    one step drawn per level."""
-    from afd.profile import format_summary, load_profile, plot_step, summarize, write_trace
+    """Per AFD run (m) and concurrency level: the deployment's per-step summary (its
+    spans inside the level's time window) next to native's median TPOT at that level;
+    plus each run's trace, and per level one step of every m drawn on a common axis
+    (``step-c<N>.png``)."""
+    from afd.profile import format_summary, load_profile, plot_steps, summarize, write_trace
 
-    try:
-        prof = load_profile(profile_dir)
-    except FileNotFoundError as exc:
-        say(f"profile: {exc}")
-        return {"error": str(exc)}
-    out: dict[str, Any] = {"dir": str(profile_dir), "levels": {}}
-    out["trace"] = str(write_trace(prof, profile_dir / "trace.json"))
-    for c, window in windows.items():
-        summary = summarize(prof, window=window)
-        native = results.get("native", {}).get(c, {}).get("tpot_ms", {})
-        native_tpot = native.get("median") if isinstance(native, dict) else None
-        summary["native_tpot_ms_median"] = native_tpot
-        summary["window_ns"] = list(window)
-        summary["text"] = format_summary(summary, native_step_ms=native_tpot)
+    out: dict[str, Any] = {"dir": str(profile_dir), "levels": {}, "runs": {}}
+    profiles = {}
+    for m in windows:
+        where = _profile_dir_of(profile_dir, m, micro_batches)
         try:
-            png = plot_step(prof, profile_dir / f"step-c{c}.png", window=window,
-                            title=f"one decode step of AFD 1A1F at concurrency {c}")  # fmt: skip
-            summary["figure"] = str(png)
+            profiles[m] = load_profile(where)
+        except FileNotFoundError as exc:
+            say(f"profile (m={m}): {exc}")
+            out["runs"][str(m)] = {"error": str(exc)}
+            continue
+        run: dict[str, Any] = {"trace": str(write_trace(profiles[m], where / "trace.json"))}
+        run["levels"] = {}
+        for c, window in windows[m].items():
+            summary = summarize(profiles[m], window=window)
+            native = results.get("native", {}).get(c, {}).get("tpot_ms", {})
+            native_tpot = native.get("median") if isinstance(native, dict) else None
+            summary["native_tpot_ms_median"] = native_tpot
+            summary["window_ns"] = list(window)
+            summary["text"] = format_summary(summary, native_step_ms=native_tpot)
+            run["levels"][c] = summary
+        out["runs"][str(m)] = run
+        say(f"profile (m={m}): {run['trace']} (open in https://ui.perfetto.dev)")
+    first = next(iter(out["runs"].values()), {})
+    out["levels"] = first.get("levels", {})  # the first m's (the only one by default)
+    out["trace"] = first.get("trace")
+    levels = sorted({c for w in windows.values() for c in w}, key=int)
+    for c in levels:
+        panels = [
+            (f"m={m}", prof, windows[m][c]) for m, prof in profiles.items() if c in windows[m]
+        ]
+        try:
+            png = plot_steps(
+                panels,
+                profile_dir / f"step-c{c}.png",
+                title=f"one decode step of AFD 1A1F at concurrency {c}",
+            )
+            figure = str(png)
         except (ImportError, ValueError, StopIteration) as exc:
-            summary["figure"] = f"not drawn: {exc}"
-        out["levels"][c] = summary
-    say(f"profile: {out['trace']} (open in https://ui.perfetto.dev)")
+            figure = f"not drawn: {exc}"
+        for m in profiles:
+            lv = out["runs"][str(m)]["levels"].get(c)
+            if lv is not None:
+                lv["figure"] = figure
     return out
 
 
 def pick_native_reference(
-    configs: dict[str, dict[str, Any]], levels: Sequence[int]
+    configs: dict[str, dict[str, Any]], levels: Sequence[int], *, key: str = "native_config"
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The native reference: at each concurrency level, the level result of the config
     with the highest output tok/s (ties: the first config). ``configs``: config name ->
-    {level: run_level result}. Returns (results per level, each with ``native_config``
-    added; config name per level)."""
+    {level: run_level result}. Returns (results per level, each with ``key``
+    (the config name) added; config name per level). Also picks AFD's best
+    ``num_micro_batches`` per level."""
     results: dict[str, Any] = {}
     chosen: dict[str, str] = {}
     for c in levels:
@@ -257,7 +281,7 @@ def pick_native_reference(
             if best is None or lv["output_tok_s"] > configs[best][str(c)]["output_tok_s"]:
                 best = name
         if best is not None:
-            results[str(c)] = {**configs[best][str(c)], "native_config": best}
+            results[str(c)] = {**configs[best][str(c)], key: best}
             chosen[str(c)] = best
     return results, chosen
 
@@ -299,9 +323,10 @@ def add_bench_arguments(ap: Any) -> None:
     )
     ap.add_argument(
         "--micro-batches",
-        type=int,
-        default=1,
-        help="afd.num_micro_batches of the AFD deployment (ping-pong overlap; default 1)",
+        default="1",
+        help="afd.num_micro_batches of the AFD deployment (ping-pong overlap; default 1); "
+        "a comma-separated list (e.g. 1,2,3) measures one AFD deployment per value in the "
+        "same run, the best per level being AFD's result",
     )
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--out", default="afd-bench", help="folder for bench.json and bench.png")
@@ -329,8 +354,7 @@ def run_bench(args: Any) -> int:
         bad = [m for m in modes if m not in MODES]
         if bad or not modes:
             raise ValueError(f"modes: expected some of {', '.join(MODES)}, got {args.modes!r}")
-        if args.micro_batches < 1:
-            raise ValueError("--micro-batches must be >= 1")
+        micro_batches = parse_micro_batches(args.micro_batches)
         if args.output_len < 2:
             raise ValueError("--output-len must be >= 2 (TPOT needs two tokens)")
         native_configs = [c.strip() for c in str(args.native_configs).split(",") if c.strip()]
@@ -360,7 +384,6 @@ def run_bench(args: Any) -> int:
             startup_timeout_s=300.0,
             afd={
                 **({"connector": args.connector} if args.connector else {}),
-                **({"num_micro_batches": args.micro_batches} if args.micro_batches > 1 else {}),
             },
             attention={"cpus": args.attention_cpus},
             ffn={"cpus": args.ffn_cpus},
@@ -372,7 +395,7 @@ def run_bench(args: Any) -> int:
     if "native" in modes and len(native_configs) > 1 and detect_cuda_devices():
         say("CUDA host: one native run with vLLM's default CPU binding")
         native_configs = ["auto"]
-    runs = _plan_runs(base, modes, native_configs, cpus)
+    runs = _plan_runs(base, modes, native_configs, cpus, micro_batches)
     say(f"connector: {base.connector}; usable CPUs: {format_cpu_list(cpus)}")
     prompts = list(FIXED_PROMPTS)
     per_level = {c: (args.requests or max(8, 4 * c)) for c in levels}
@@ -381,7 +404,9 @@ def run_bench(args: Any) -> int:
         profile_dir = Path(args.out).absolute() / "profile"
         shutil.rmtree(profile_dir, ignore_errors=True)
         profile_dir.mkdir(parents=True)
-    windows: dict[str, tuple[int, int]] = {}  # AFD run: wall-clock window of each level
+    # AFD runs by m: the wall-clock window of each level (for the profile), the results.
+    windows: dict[int, dict[str, tuple[int, int]]] = {}
+    afd_runs: dict[int, dict[str, Any]] = {}
     results: dict[str, Any] = {}
     native_runs: dict[str, dict[str, Any]] = {}
     startup: dict[str, float] = {}
@@ -396,9 +421,17 @@ def run_bench(args: Any) -> int:
                 spec = spec.replace(
                     log_dir=None if args.log_dir is None else str(Path(args.log_dir) / sub),
                 )
-                if run == "afd" and profile_dir is not None:
-                    spec = spec.replace(env={**spec.env, PROFILE_DIR_ENV: str(profile_dir)})
-                what = "1A1F" if run == "afd" else f"plain vLLM, CPUs {run.split('/')[1]}"
+                is_afd = run.startswith("afd")
+                m = int(spec.afd.get("num_micro_batches", 1))
+                if is_afd and profile_dir is not None:
+                    where = _profile_dir_of(profile_dir, m, micro_batches)
+                    where.mkdir(parents=True, exist_ok=True)
+                    spec = spec.replace(env={**spec.env, PROFILE_DIR_ENV: str(where)})
+                what = (
+                    f"1A1F, {m} micro-batch{'es' if m > 1 else ''}"
+                    if is_afd
+                    else f"plain vLLM, CPUs {run.split('/')[1]}"
+                )
                 say(f"starting {run} ({what})")
                 dep = Deployment(spec, echo=args.verbose, console=sys.stdout, name=f"bench-{sub}")
                 with dep:
@@ -421,10 +454,10 @@ def run_bench(args: Any) -> int:
                                 args.output_len,
                                 on_done=lambda: bar.update(1),
                             )
-                            if run == "afd":
-                                windows[str(c)] = (started_ns, time.time_ns())
-                    if run == "afd":
-                        results["afd"] = res
+                            if is_afd:
+                                windows.setdefault(m, {})[str(c)] = (started_ns, time.time_ns())
+                    if is_afd:
+                        afd_runs[m] = res
                     else:
                         native_runs[run.split("/", 1)[1]] = res
         except DeploymentError as exc:
@@ -439,8 +472,16 @@ def run_bench(args: Any) -> int:
     native_reference: dict[str, str] = {}
     if native_runs:
         native_results, native_reference = pick_native_reference(native_runs, levels)
-        results = {"native": native_results, **results}
+        results["native"] = native_results
         startup["native"] = next(v for k, v in startup.items() if k.startswith("native/"))
+    afd_best: dict[str, str] = {}
+    if afd_runs:
+        results["afd"], afd_best = pick_native_reference(
+            {str(m): res for m, res in afd_runs.items()}, levels, key="num_micro_batches"
+        )
+        for lv in results["afd"].values():
+            lv["num_micro_batches"] = int(lv["num_micro_batches"])
+        startup["afd"] = next(v for k, v in startup.items() if k.startswith("afd"))
     report = {
         "settings": {
             "model": str(model),
@@ -454,7 +495,7 @@ def run_bench(args: Any) -> int:
             "enforce_eager": base.enforce_eager,
             "compute_gate_on_attention": base.compute_gate_on_attention,
             "connector": base.connector,
-            "num_micro_batches": args.micro_batches,
+            "num_micro_batches": micro_batches,
             "thread_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
             "attention_cpus": args.attention_cpus,
             "ffn_cpus": args.ffn_cpus,
@@ -479,16 +520,30 @@ def run_bench(args: Any) -> int:
         },
         "native_reference": native_reference,
         "ratio_afd_over_native": _ratios(results, levels),
+        "afd_micro_batches": {
+            str(m): {
+                "startup_s": startup.get(_afd_run_name(m, micro_batches)),
+                "results": res,
+                "ratio_over_native": _ratios(
+                    {"native": results.get("native", {}), "afd": res}, levels
+                )
+                if "native" in results
+                else {},
+            }
+            for m, res in afd_runs.items()
+        },
+        "afd_best_micro_batches": {c: int(m) for c, m in afd_best.items()},
         "total_s": round(time.monotonic() - t_total, 1),
     }
     if profile_dir is not None and windows:
-        report["profile"] = _profile_report(profile_dir, windows, results, say)
+        report["profile"] = _profile_report(profile_dir, windows, micro_batches, results, say)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     print(format_table(report))
-    for c, prof in report.get("profile", {}).get("levels", {}).items():
-        print(f"\nprofile, concurrency {c}:\n{prof['text']}")
+    for m, run in report.get("profile", {}).get("runs", {}).items():
+        for c, prof in run.get("levels", {}).items():
+            print(f"\nprofile, m={m}, concurrency {c}:\n{prof['text']}")
     say(f"wrote {out / 'bench.json'}")
     if not args.no_plot:
         try:
@@ -497,20 +552,49 @@ def run_bench(args: Any) -> int:
         except ImportError:
             say("matplotlib is not installed (dependency group 'bench'): no plot")
     say(f"total {report['total_s']:.0f} s")
-    every = [results.get("afd", {}), *native_runs.values()]
+    every = [*afd_runs.values(), *native_runs.values()]
     failed = any(lv["completed"] < lv["requests"] for m in every for lv in m.values())
     return 1 if failed else 0
 
 
+def parse_micro_batches(value: str | int) -> list[int]:
+    """``--micro-batches``: ``"2"`` -> ``[2]``, ``"1,2,3"`` -> ``[1, 2, 3]`` (each >= 1,
+    no repeats, order kept)."""
+    try:
+        out = [int(x) for x in str(value).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--micro-batches: expected ints such as 1,2,3, got {value!r}") from None
+    if not out or min(out) < 1 or len(set(out)) != len(out):
+        raise ValueError(f"--micro-batches: expected distinct ints >= 1, got {value!r}")
+    return out
+
+
+def _afd_run_name(m: int, micro_batches: Sequence[int]) -> str:
+    return "afd" if len(micro_batches) == 1 else f"afd/m{m}"
+
+
+def _profile_dir_of(profile_dir: Path, m: int, micro_batches: Sequence[int]) -> Path:
+    return profile_dir if len(micro_batches) == 1 else profile_dir / f"m{m}"
+
+
 def _plan_runs(
-    base: DeploymentSpec, modes: Sequence[str], native_configs: Sequence[str], cpus: Sequence[int]
+    base: DeploymentSpec,
+    modes: Sequence[str],
+    native_configs: Sequence[str],
+    cpus: Sequence[int],
+    micro_batches: Sequence[int] = (1,),
 ) -> list[tuple[str, DeploymentSpec]]:
-    """(run name, spec) in order: ``native/<config>`` per native config, then ``afd``.
+    """(run name, spec) in order: ``native/<config>`` per native config, then ``afd``
+    (one run, ``afd/m<M>`` for each M when several ``micro_batches`` are measured).
     A native run's CPUs come from its config only (not from ``--attention-cpus``)."""
     runs = []
     for mode in modes:
         if mode == "afd":
-            runs.append(("afd", base))
+            for m in micro_batches:
+                afd = {k: v for k, v in base.afd.items() if k != "num_micro_batches"}
+                if m > 1:
+                    afd["num_micro_batches"] = m
+                runs.append((_afd_run_name(m, micro_batches), base.replace(afd=afd)))
             continue
         for config in native_configs:
             attention = RoleOverrides(cpus=native_config_cpus(config, cpus))
@@ -541,10 +625,16 @@ def format_table(report: dict[str, Any]) -> str:
     ratio = report["ratio_afd_over_native"]
     configs = report.get("native_configs") or {}
     reference = report.get("native_reference") or {}
+    by_m = report.get("afd_micro_batches") or {}
     modes = [m for m in MODES if m in res]
     head = ["conc"]
     if "native" in modes and len(configs) > 1:
         head += [f"native {name} tok/s" for name in configs] + ["native ref"]
+    if len(by_m) > 1:
+        head += [f"afd m={m} tok/s" for m in by_m]
+        if ratio:
+            head += [f"m={m}/native" for m in by_m]
+        head.append("best m")
     for m in modes:
         head += [f"{m} tok/s", f"{m} TTFT ms p50/p99", f"{m} TPOT ms p50/p99"]
     if ratio:
@@ -555,6 +645,14 @@ def format_table(report: dict[str, Any]) -> str:
         if "native" in modes and len(configs) > 1:
             row += [f"{cf['results'][str(c)]['output_tok_s']:.1f}" for cf in configs.values()]
             row.append(reference.get(str(c), "-"))
+        if len(by_m) > 1:
+            row += [f"{run['results'][str(c)]['output_tok_s']:.1f}" for run in by_m.values()]
+            if ratio:
+                row += [
+                    _f((run.get("ratio_over_native") or {}).get(str(c), {}).get("output_tok_s"), 2)
+                    for run in by_m.values()
+                ]
+            row.append(str(res.get("afd", {}).get(str(c), {}).get("num_micro_batches", "-")))
         for m in modes:
             lv = res[m][str(c)]
             row += [
@@ -602,8 +700,21 @@ def plot(report: dict[str, Any], path: Path) -> Path:
             if mode not in res:
                 continue
             ys = [get(res[mode][str(c)]) for c in levels]
+            by_m = report.get("afd_micro_batches") or {}
             label = "native vLLM (reference)" if mode == "native" else "AFD 1A1F"
+            if mode == "afd" and len(by_m) > 1:
+                label += " (best m)"
             ax.plot(levels, ys, "o-", color=color, label=label)
+            if mode == "afd" and get99 is None and len(by_m) > 1:
+                for (m, run), marker in zip(by_m.items(), "sv^D", strict=False):
+                    ax.plot(
+                        levels,
+                        [get(run["results"][str(c)]) for c in levels],
+                        marker + ":",
+                        color=color,
+                        alpha=0.5,
+                        label=f"AFD m={m}",
+                    )
             configs = report.get("native_configs") or {}
             if mode == "native" and get99 is None and len(configs) > 1:
                 for (name, cf), marker in zip(configs.items(), "sv^", strict=False):

@@ -80,6 +80,7 @@ __all__ = [
     "SpecError",
     "allocate_ports",
     "assign_cpus",
+    "bind_affinity",
     "assign_devices",
     "detect_cuda_devices",
     "format_cpu_list",
@@ -824,6 +825,23 @@ def _cpu_warnings(cpus: Mapping[str, str], usable: Sequence[int]) -> list[str]:
     return out
 
 
+def bind_affinity(value: str) -> list[int] | None:
+    """The CPUs a whole role process tree is confined to for its ``VLLM_CPU_OMP_THREADS_BIND``
+    value: the union of its CPU lists (``"0|1"``, a DP server's ranks, -> ``[0, 1]``), or
+    None for ``auto`` / ``nobind`` / anything that is not a CPU list (left to vLLM).
+
+    vLLM binds only its worker's OpenMP threads; the API server, the engine core (which
+    spins on ``sched_yield`` while it waits for the worker) and every other thread of the
+    role would otherwise float onto the cores given to the other role."""
+    ids: set[int] = set()
+    for part in value.split("|"):
+        try:
+            ids.update(parse_cpu_list(part))
+        except ValueError:
+            return None
+    return sorted(ids) or None
+
+
 def omp_bind_env(cpus: str, ld_preload: str = "") -> dict[str, str]:
     """The OpenMP settings vLLM gives a worker process for the CPU list ``cpus``
     (``vllm.utils.ompmultiprocessing``): ``OMP_NUM_THREADS`` plus ``KMP_AFFINITY`` (Intel
@@ -967,6 +985,12 @@ class RoleProcess:
             start_new_session=True,  # own process group: signals reach all its children
         )
         self.pgid = self.proc.pid
+        affinity = bind_affinity(self.env.get(CPU_BIND, ""))
+        if affinity is not None:
+            # Set before the interpreter has started a thread or a child (it is still
+            # importing), so every process and thread of the role inherits it.
+            with contextlib.suppress(OSError):  # a CPU the host lacks: vLLM reports it
+                os.sched_setaffinity(self.proc.pid, affinity)
         self._pump = threading.Thread(
             target=self._pump_output,
             args=(log, console, lock),

@@ -25,7 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Profile", "load_profile", "summarize", "format_summary", "write_trace", "plot_step"]
+__all__ = [
+    "Profile",
+    "format_summary",
+    "load_profile",
+    "plot_step",
+    "plot_steps",
+    "summarize",
+    "write_trace",
+]
 
 ATTENTION_CATS = ("attention", "send", "wait", "step_gap")
 FFN_CATS = ("recv", "compute", "return")
@@ -126,21 +134,31 @@ def summarize(
         spans = _select(p, skip_s, window)
         is_attention = p.role == "attention"
         cats = ATTENTION_CATS if is_attention else FFN_CATS
-        steps = _steps(spans, "send" if is_attention else "recv")
-        # Drop the last (possibly cut) step.
-        steps = steps[:-1] if len(steps) > 1 else steps
+        found = _steps(spans, "send" if is_attention else "recv")
+        # Drop the last (possibly cut) step; a step lasts until the next one starts (its
+        # last span may reach past that when several micro-batches are in flight).
+        steps = found[:-1] if len(found) > 1 else found
+        ends = [nxt[0]["t0"] for nxt in found[1:]] or [found[0][-1]["t1"]] if found else []
         per_cat: dict[str, list[float]] = defaultdict(list)
         step_ms: list[float] = []
         layers_per_step: list[int] = []
         tokens_per_step: list[int] = []
-        for step in steps:
+        micro_batches = max((int(s.get("mb", 0)) for s in spans), default=0) + 1
+        for k, step in enumerate(steps):
             totals = dict.fromkeys(cats, 0.0)
             for s in step:
                 if s["cat"] in totals:
                     totals[s["cat"]] += (s["t1"] - s["t0"]) / 1e6
+            wall = (ends[k] - step[0]["t0"]) / 1e6
+            if is_attention and micro_batches > 1:
+                # The micro-batches' threads take turns, so their attention, send and
+                # wait spans never overlap; their step gaps do (each covers the others'
+                # last layers): count the step gap once, as what the rest leaves.
+                busy = totals["attention"] + totals["send"] + totals["wait"]
+                totals["step_gap"] = max(0.0, wall - busy)
             for c in cats:
                 per_cat[c].append(totals[c])
-            step_ms.append((step[-1]["t1"] - step[0]["t0"]) / 1e6)
+            step_ms.append(wall)
             first_cat = "send" if is_attention else "recv"
             exchanges = [s for s in step if s["cat"] == first_cat]
             layers_per_step.append(len(exchanges))
@@ -156,6 +174,7 @@ def summarize(
             "step_ms_median": statistics.median(step_ms) if n else 0.0,
             "exchanges_per_step": statistics.median(layers_per_step) if n else 0,
             "tokens_first_layer_median": statistics.median(tokens_per_step) if n else 0,
+            "micro_batches": micro_batches,
         }
         if n:
             waiting = "wait" if is_attention else "recv"
@@ -167,7 +186,9 @@ def summarize(
         out["processes"].append(entry)
     attn = [e for e in out["processes"] if e["role"] == "attention" and e["steps"]]
     ffn = [e for e in out["processes"] if e["role"] == "ffn" and e["steps"]]
-    if attn and ffn:
+    if attn and ffn and attn[0]["micro_batches"] == 1:
+        # With several micro-batches the FFN computes one while the attention role waits
+        # for another: the difference no longer isolates the exchange's overhead.
         a, f = attn[0], ffn[0]
         layers = max(int(a["exchanges_per_step"]), 1)
         # What the attention role waits for beyond the FFN's own compute: transport,
@@ -253,45 +274,82 @@ def plot_step(
     The step shown is the median-length step after ``skip_s`` (inside ``window``, wall
     clock ns, when given).
     """
-    import matplotlib
+    return plot_steps([("", profile, window)], path, skip_s=skip_s, title=title)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _median_step(
+    profile: Profile, skip_s: float, window: tuple[int, int] | None
+) -> tuple[int, int]:
+    """Wall-clock (start, end) ns of the median-length complete step of attention rank 0."""
     attn = next(p for p in profile.processes if p.role == "attention")
     steps = _steps(_select(attn, skip_s, window), "send")[:-1]
     if not steps:
         raise ValueError("no complete attention step to plot")
     steps.sort(key=lambda st: st[-1]["t1"] - st[0]["t0"])
     step = steps[len(steps) // 2]
-    w0 = step[0]["t0"] + attn.offset_ns
-    w1 = step[-1]["t1"] + attn.offset_ns
-    rows = [p for p in profile.processes if p.role == "attention"] + [
-        p for p in profile.processes if p.role == "ffn"
+    return step[0]["t0"] + attn.offset_ns, step[-1]["t1"] + attn.offset_ns
+
+
+def plot_steps(
+    panels: Sequence[tuple[str, Profile, tuple[int, int] | None]],
+    path: str | Path,
+    *,
+    skip_s: float = 0.0,
+    title: str = "",
+) -> Path:
+    """A PNG with one panel per ``(label, profile, window)``: the median-length step of
+    its attention rank 0 (inside ``window``) and every role's spans during it, all panels
+    on one millisecond axis (e.g. the same load at m = 1 and m = 2). A micro-batch other
+    than 0 is drawn as a thinner bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not panels:
+        raise ValueError("nothing to plot")
+    drawn = [(label, prof, _median_step(prof, skip_s, window)) for label, prof, window in panels]
+    heights = [
+        1.0 + 0.6 * sum(p.role in ("attention", "ffn") for p in prof.processes)
+        for _, prof, _ in drawn
     ]
-    fig, ax = plt.subplots(figsize=(12, 1.8 + 0.6 * len(rows)))
-    for y, p in enumerate(rows):
-        for s in p.spans:
-            a, b = s["t0"] + p.offset_ns, s["t1"] + p.offset_ns
-            if b < w0 or a > w1:
-                continue
-            ax.barh(
-                y,
-                (min(b, w1) - max(a, w0)) / 1e6,
-                left=(max(a, w0) - w0) / 1e6,
-                color=_COLOURS.get(s["cat"], "#999999"),
-                edgecolor="black" if s["cat"] in ("compute", "attention") else "none",
-                linewidth=0.3,
-                height=0.6 if s.get("mb", 0) == 0 else 0.35,
-            )
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"{p.role} {p.rank}" for p in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms since the step's first send")
+    fig, axes = plt.subplots(
+        len(drawn),
+        1,
+        figsize=(12, 1.2 + sum(heights)),
+        sharex=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+    )
+    for ax, (label, profile, (w0, w1)) in zip(axes[:, 0], drawn, strict=True):
+        rows = [p for p in profile.processes if p.role == "attention"] + [
+            p for p in profile.processes if p.role == "ffn"
+        ]
+        for y, p in enumerate(rows):
+            for s in p.spans:
+                a, b = s["t0"] + p.offset_ns, s["t1"] + p.offset_ns
+                if b < w0 or a > w1:
+                    continue
+                ax.barh(
+                    y,
+                    (min(b, w1) - max(a, w0)) / 1e6,
+                    left=(max(a, w0) - w0) / 1e6,
+                    color=_COLOURS.get(s["cat"], "#999999"),
+                    edgecolor="black" if s["cat"] in ("compute", "attention") else "none",
+                    linewidth=0.3,
+                    height=0.6 if s.get("mb", 0) == 0 else 0.35,
+                )
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([f"{p.role} {p.rank}" for p in rows])
+        ax.invert_yaxis()
+        step = f"step {(w1 - w0) / 1e6:.2f} ms"
+        ax.set_title(f"{label}: {step}" if label else step, fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("ms since the step's first send")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLOURS.values()]
     fig.legend(handles, list(_COLOURS), ncol=7, fontsize=7, loc="lower center")
-    ax.set_title(title or f"one decode step ({(w1 - w0) / 1e6:.2f} ms)")
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
