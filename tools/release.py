@@ -8,18 +8,29 @@ lives in ``src/<import name>/_version.py`` and its history in ``CHANGELOG.md``.
     python tools/release.py bump afd-core minor      # 0.1.0 -> 0.2.0, changelog dated
     python tools/release.py build afd-core           # dist/afd-core/*.whl + *.tar.gz
     python tools/release.py tag afd-core [--create]  # afd-core-v0.2.0
+    python tools/release.py requirements dist/ [--base-url URL]
 
 ``bump`` touches exactly two files (the version file and the changelog); ``build``
 builds that package alone with ``uv build --package NAME --no-sources``.
+
+``requirements`` writes, next to the wheels of a release, one pip requirements file per
+package and extra (``afd-0.1.0-cpu.txt``, ``afd-core-0.1.0.txt``, ...) that names every
+afd distribution it needs by direct URL (``afd[cpu] @ URL/afd-0.1.0-py3-none-any.whl``):
+the name ``afd`` on PyPI belongs to another project, and no afd package is on PyPI, so an
+install by name could take someone else's package. Third-party dependencies (vLLM, torch)
+still come from the configured indexes. ``--base-url`` is where the wheels will be
+served (default: the folder itself, as ``file://`` URLs).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import email.parser
 import re
 import subprocess
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,6 +130,98 @@ def build(pkg: Package, out_dir: Path | None = None) -> list[Path]:
     return sorted(out.iterdir())
 
 
+@dataclass(frozen=True)
+class Wheel:
+    path: Path
+    name: str
+    """Distribution name as its metadata spells it (``afd-core``)."""
+    version: str
+    requires: tuple[tuple[str, str | None], ...]
+    """(requirement name, the extra it belongs to or None) of each ``Requires-Dist``."""
+    extras: tuple[str, ...]
+
+
+_REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+_EXTRA_MARKER = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def read_wheel(path: Path) -> Wheel:
+    """Name, version, requirements and extras of a wheel, from its METADATA."""
+    with zipfile.ZipFile(path) as zf:
+        meta = next((n for n in zf.namelist() if n.endswith(".dist-info/METADATA")), None)
+        if meta is None:
+            raise ReleaseError(f"{path}: no .dist-info/METADATA")
+        msg = email.parser.Parser().parsestr(zf.read(meta).decode("utf-8"))
+    requires = []
+    for line in msg.get_all("Requires-Dist") or []:
+        req, _, marker = line.partition(";")
+        m = _REQ_NAME.match(req)
+        if not m:
+            raise ReleaseError(f"{path}: cannot read the requirement {line!r}")
+        extra = _EXTRA_MARKER.search(marker)
+        requires.append((_normalize(m.group(1)), extra.group(1) if extra else None))
+    return Wheel(
+        path,
+        msg["Name"],
+        msg["Version"],
+        tuple(requires),
+        tuple(msg.get_all("Provides-Extra") or []),
+    )
+
+
+def requirement_lines(
+    wheels: dict[str, Wheel], package: str, extra: str | None, base_url: str
+) -> list[str]:
+    """Direct-URL requirement lines installing ``package[extra]`` and every afd
+    distribution (one of ``wheels``, keyed by normalized name) it needs."""
+    top = wheels[_normalize(package)]
+    needed = [top]
+    todo = [(top, extra)]
+    while todo:
+        wheel, wanted = todo.pop()
+        for name, only_for in wheel.requires:
+            if only_for is not None and only_for != wanted:
+                continue
+            dep = wheels.get(name)
+            if dep is not None and dep not in needed:
+                needed.append(dep)
+                todo.append((dep, None))
+    base = base_url.rstrip("/")
+    lines = []
+    for wheel in needed:
+        label = f"{wheel.name}[{extra}]" if wheel is top and extra else wheel.name
+        lines.append(f"{label} @ {base}/{wheel.path.name}")
+    return lines
+
+
+def write_requirements(dist: Path, base_url: str | None = None) -> list[Path]:
+    """One requirements file per afd wheel in ``dist`` and per extra of it, written to
+    ``dist``: ``<name>-<version>[-<extra>].txt``."""
+    found = sorted(dist.glob("*.whl"))
+    if not found:
+        raise ReleaseError(f"{dist}: no wheels (build them with uv build --all-packages)")
+    wheels = {_normalize(w.name): w for w in map(read_wheel, found)}
+    base = base_url or dist.resolve().as_uri()
+    out = []
+    for key, wheel in sorted(wheels.items()):
+        for extra in (None, *wheel.extras):
+            suffix = f"-{extra}" if extra else ""
+            path = dist / f"{wheel.name}-{wheel.version}{suffix}.txt"
+            what = f"{wheel.name}[{extra}]" if extra else wheel.name
+            header = [
+                f"# {what} {wheel.version}: pip install -r {path.name}",
+                "# afd distributions by direct URL (the name afd on PyPI is another project);",
+                "# everything else comes from your indexes.",
+            ]
+            path.write_text("\n".join(header + requirement_lines(wheels, key, extra, base)) + "\n")
+            out.append(path)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -132,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("tag", help="print (or create) the package's release tag")
     t.add_argument("package")
     t.add_argument("--create", action="store_true", help="create the annotated git tag")
+    r = sub.add_parser(
+        "requirements", help="write direct-URL requirements files next to built wheels"
+    )
+    r.add_argument("dist", type=Path, help="folder with the wheels of the release")
+    r.add_argument("--base-url", help="where the wheels are served (default: file:// URLs)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "list":
@@ -154,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                     check=True,
                 )
             print(pkg.tag)
+        elif args.cmd == "requirements":
+            for path in write_requirements(args.dist, args.base_url):
+                print(path)
     except ReleaseError as exc:
         print(f"release: error: {exc}", file=sys.stderr)
         return 2

