@@ -123,7 +123,8 @@ class AFDWorkerExtension:
 
 
 def run_ffn_server(engine_args: Any) -> int:
-    """Start the FFN role; return the process exit code (0 on a clean stop)."""
+    """Start the FFN role; return the process exit code: 0 on SIGTERM / SIGINT, 1 when
+    it stopped because an attention peer was lost (or anything failed)."""
     from vllm.v1.executor import Executor
 
     vllm_config = engine_args.create_engine_config()
@@ -132,9 +133,11 @@ def run_ffn_server(engine_args: Any) -> int:
         raise SystemExit(f"afd serve --role ffn got afd.role={afd.role.value!r}")
 
     stop = threading.Event()
+    requested: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
         logger.info("AFD FFN server: %s received, stopping", signal.Signals(signum).name)
+        requested.append(signum)
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -171,6 +174,16 @@ def run_ffn_server(engine_args: Any) -> int:
             server.join(timeout=10)
         if "error" in result:
             logger.error("AFD FFN server failed: %s", result["error"])
+            return 1
+        lost = [
+            r["exit_reason"]
+            for r in result.get("value") or []
+            if isinstance(r, dict) and str(r.get("exit_reason", "")).startswith("peer gone")
+        ]
+        if lost and not requested:
+            # Its attention peers are gone: the role cannot serve any more. A supervisor
+            # must not read that as a requested stop.
+            logger.error("AFD FFN server stopped: %s", lost[0])
             return 1
         logger.info("AFD FFN server stopped: %s", result.get("value"))
         return 0

@@ -4,16 +4,25 @@ Both roles take the same vLLM arguments as ``vllm serve``. ``afd serve`` adds wh
 AFD needs: the role in ``--additional-config '{"afd": {...}}'`` (merged with what
 you pass), the AFD architecture alias in ``--hf-overrides`` (so native model
 lookups stay untouched), and for the FFN role the worker extension that serves
-layers. The Attention role runs vLLM's OpenAI-compatible API server unchanged; the
-FFN role runs :func:`afd.ffn_server.run_ffn_server` (no scheduler, KV cache or API).
+layers. The Attention role runs vLLM's OpenAI-compatible API server unchanged, as a
+child process (:func:`run_attention_server`); the FFN role runs
+:func:`afd.ffn_server.run_ffn_server` (no scheduler, KV cache or API).
+
+Exit codes: 0 after SIGTERM / SIGINT (a requested stop); 1 when AFD stopped the role
+(its peer was lost, the connector's start-up failed, a transfer timed out or did not
+match), with one log line saying why; otherwise the server's own code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -132,10 +141,61 @@ def serve_attention(model: str, rest: list[str]) -> int:
     argv += attention_worker_args(argv)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *argv]
     logger.info("afd serve --role attention: %s", " ".join(cmd))
+    return run_attention_server(cmd)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the API server gets SIGTERM if this supervising process dies."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def run_attention_server(cmd: list[str]) -> int:
+    """Run vLLM's API server ``cmd`` as a child and return this role's exit code.
+
+    vLLM's API server exits 0 whenever its engine stops, also when the engine died
+    because AFD lost the FFN role. The AFD runtime in the worker records why it stopped
+    (``afd_moe_runners.role_model.EXIT_REASON_ENV``); this process forwards SIGTERM /
+    SIGINT to the server and, after it exited: 0 if a stop was requested, 1 (logging
+    the reason) if AFD recorded one, else the server's code.
+    """
+    from afd_moe_runners.role_model import EXIT_REASON_ENV
+
+    fd, reason_path = tempfile.mkstemp(prefix="afd-exit-reason-", suffix=".txt")
+    os.close(fd)
+    requested: list[int] = []
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, cmd)
-    return 1  # not reached
+    child = subprocess.Popen(
+        cmd, env={**os.environ, EXIT_REASON_ENV: reason_path}, preexec_fn=_die_with_parent
+    )
+
+    def forward(signum: int, _frame: Any) -> None:
+        requested.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        reason = Path(reason_path).read_text(encoding="utf-8").strip().splitlines()
+        Path(reason_path).unlink(missing_ok=True)
+    if requested:
+        logger.info(
+            "AFD attention server stopped on %s (server exit code %d)",
+            signal.Signals(requested[0]).name,
+            code,
+        )
+        return 0
+    if reason:
+        logger.error("AFD attention server stopped by AFD: %s", reason[0])
+        return 1
+    return code if code >= 0 else 128 - code
 
 
 def serve_ffn(model: str, rest: list[str]) -> int:

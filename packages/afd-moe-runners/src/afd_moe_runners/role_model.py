@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import weakref
 from collections import Counter
 from collections.abc import Iterable
@@ -24,7 +25,12 @@ from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
 
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector import AFDConnector
-from afd_core.errors import AFDConfigError
+from afd_core.errors import (
+    AFDConfigError,
+    AFDPeerLostError,
+    AFDTimeoutError,
+    AFDTransferMismatchError,
+)
 from afd_core.forward_context import AFDStepMetadata, set_step_metadata
 from afd_core.registry import create_connector, get_connector_class
 from afd_core.weights import RoleWeightStats, WeightOwner, filter_role_weights
@@ -34,6 +40,7 @@ from afd_moe_runners.exchange import no_yield, scheduler_yield
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "EXIT_REASON_ENV",
     "AFDRoleModel",
     "NoAttention",
     "RemoteDenseMLP",
@@ -43,6 +50,7 @@ __all__ = [
     "check_supported_parallelism",
     "compiled_graph_problem",
     "micro_batching_problem",
+    "record_exit_reason",
     "layer_index",
     "no_yield",
     "scheduler_yield",
@@ -230,6 +238,25 @@ def _forbidden_categories(afd: AFDConfig) -> tuple[str, ...]:
     return tuple(forbidden)
 
 
+EXIT_REASON_ENV = "AFD_EXIT_REASON_FILE"
+"""A file the attention role's worker appends why AFD stopped it to (set by ``afd serve``,
+which turns a recorded reason into a non-zero exit code of the server)."""
+
+_FATAL = (AFDPeerLostError, AFDTimeoutError, AFDTransferMismatchError, AFDConfigError)
+
+
+def record_exit_reason(reason: str) -> None:
+    """Append one line to :data:`EXIT_REASON_ENV`'s file, when it is set."""
+    path = os.environ.get(EXIT_REASON_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(" ".join(reason.split()) + "\n")
+    except OSError:
+        logger.warning("AFD: cannot record the exit reason in %s", path)
+
+
 class RoleRuntime:
     """Per-process AFD state of one role-aware model: connector, step metadata, checks."""
 
@@ -254,7 +281,11 @@ class RoleRuntime:
                 afd.port,
                 afd.connect_timeout_s,
             )
-            self.connector.init()
+            try:
+                self.connector.init()
+            except _FATAL as exc:
+                record_exit_reason(f"AFD connector start failed: {type(exc).__name__}: {exc}")
+                raise
             atexit.register(self.close)
             logger.info("AFD attention rank %d: connected", self.rank)
 
@@ -278,6 +309,13 @@ class RoleRuntime:
         """
         if self.connector is None or not is_forward_context_available():
             return forward(*args, **kwargs)
+        try:
+            return self._run_forward(forward, *args, **kwargs)
+        except _FATAL as exc:
+            record_exit_reason(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _run_forward(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
         from afd_moe_runners import micro_batching
 
         ctx = get_forward_context()

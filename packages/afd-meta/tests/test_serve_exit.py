@@ -1,0 +1,73 @@
+"""``afd serve --role attention``'s exit code: the API server runs as a child; a reason
+recorded by the AFD runtime turns its exit into 1, a requested stop into 0. The child
+here is a stand-in for vLLM's API server (no vLLM process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from afd.serve import run_attention_server
+from afd_moe_runners.role_model import EXIT_REASON_ENV, record_exit_reason
+
+
+def _child(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_a_recorded_reason_makes_the_exit_code_1(caplog: pytest.LogCaptureFixture) -> None:
+    code = (
+        "import os\n"
+        "with open(os.environ['AFD_EXIT_REASON_FILE'], 'a') as f:\n"
+        "    f.write('AFDPeerLostError: ffn rank 0 is gone\\n')\n"
+    )
+    with caplog.at_level("ERROR", logger="afd.serve"):
+        assert run_attention_server(_child(code)) == 1
+    assert "stopped by AFD: AFDPeerLostError: ffn rank 0 is gone" in caplog.text
+
+
+def test_the_server_code_passes_through_without_a_reason() -> None:
+    assert run_attention_server(_child("pass")) == 0
+    assert run_attention_server(_child("import sys; sys.exit(3)")) == 3
+    assert run_attention_server(_child("import os; os.kill(os.getpid(), 9)")) == 128 + 9
+
+
+def test_sigterm_is_forwarded_and_is_a_clean_stop(tmp_path: object) -> None:
+    # The child records a reason and exits 1 when signalled: a requested stop still
+    # exits 0 (a peer lost while both roles were being stopped is not a failure).
+    code = (
+        "import os, signal, sys, time\n"
+        "def bye(*a):\n"
+        "    open(os.environ['AFD_EXIT_REASON_FILE'], 'a').write('AFDPeerLostError: x\\n')\n"
+        "    sys.exit(1)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        assert run_attention_server(_child(code)) == 0
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 20
+    # the supervisor's own handlers are restored afterwards
+    assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.default_int_handler)
+
+
+def test_record_exit_reason_appends_one_line(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "reason.txt"
+    record_exit_reason("not recorded: no file configured")
+    monkeypatch.setenv(EXIT_REASON_ENV, str(path))
+    record_exit_reason("AFDTimeoutError: layer 3\n  took too long")
+    assert path.read_text() == "AFDTimeoutError: layer 3 took too long\n"
