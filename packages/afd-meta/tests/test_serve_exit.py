@@ -13,7 +13,6 @@ import time
 import pytest
 
 from afd.serve import run_attention_server
-from afd_moe_runners.role_model import EXIT_REASON_ENV, record_exit_reason
 
 
 def _child(code: str) -> list[str]:
@@ -59,15 +58,3 @@ def test_sigterm_is_forwarded_and_is_a_clean_stop(tmp_path: object) -> None:
     assert time.monotonic() - t0 < 20
     # the supervisor's own handlers are restored afterwards
     assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.default_int_handler)
-
-
-def test_record_exit_reason_appends_one_line(
-    tmp_path: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from pathlib import Path
-
-    path = Path(str(tmp_path)) / "reason.txt"
-    record_exit_reason("not recorded: no file configured")
-    monkeypatch.setenv(EXIT_REASON_ENV, str(path))
-    record_exit_reason("AFDTimeoutError: layer 3\n  took too long")
-    assert path.read_text() == "AFDTimeoutError: layer 3 took too long\n"

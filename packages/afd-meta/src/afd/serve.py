@@ -29,6 +29,7 @@ from typing import Any
 from afd.plugin import AFD_ARCHITECTURES
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDConfigError
+from afd_core.lifecycle import EXIT_REASON_ENV, read_exit_reasons
 
 logger = logging.getLogger("afd.serve")
 
@@ -144,12 +145,23 @@ def serve_attention(model: str, rest: list[str]) -> int:
     return run_attention_server(cmd)
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: the API server gets SIGTERM if this supervising process dies."""
+def _parent_death_signal() -> Any:
+    """A ``preexec_fn`` that makes the child get SIGTERM when this process dies (Linux
+    ``PR_SET_PDEATHSIG``), or None where that is not available. libc is loaded here, in
+    the parent: the child only makes the call."""
     import ctypes
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def set_signal() -> None:  # pragma: no cover - runs in the child before exec
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+
+    return set_signal
 
 
 def run_attention_server(cmd: list[str]) -> int:
@@ -157,19 +169,19 @@ def run_attention_server(cmd: list[str]) -> int:
 
     vLLM's API server exits 0 whenever its engine stops, also when the engine died
     because AFD lost the FFN role. The AFD runtime in the worker records why it stopped
-    (``afd_moe_runners.role_model.EXIT_REASON_ENV``); this process forwards SIGTERM /
-    SIGINT to the server and, after it exited: 0 if a stop was requested, 1 (logging
-    the reason) if AFD recorded one, else the server's code.
+    (:mod:`afd_core.lifecycle`); this process forwards SIGTERM / SIGINT to the server and,
+    after it exited: 0 if a stop was requested, 1 (logging the reason) if AFD recorded
+    one, else the server's code.
     """
-    from afd_moe_runners.role_model import EXIT_REASON_ENV
-
     fd, reason_path = tempfile.mkstemp(prefix="afd-exit-reason-", suffix=".txt")
     os.close(fd)
     requested: list[int] = []
     sys.stdout.flush()
     sys.stderr.flush()
     child = subprocess.Popen(
-        cmd, env={**os.environ, EXIT_REASON_ENV: reason_path}, preexec_fn=_die_with_parent
+        cmd,
+        env={**os.environ, EXIT_REASON_ENV: reason_path},
+        preexec_fn=_parent_death_signal(),
     )
 
     def forward(signum: int, _frame: Any) -> None:
@@ -183,7 +195,7 @@ def run_attention_server(cmd: list[str]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        reason = Path(reason_path).read_text(encoding="utf-8").strip().splitlines()
+        reasons = read_exit_reasons(reason_path)
         Path(reason_path).unlink(missing_ok=True)
     if requested:
         logger.info(
@@ -192,8 +204,8 @@ def run_attention_server(cmd: list[str]) -> int:
             code,
         )
         return 0
-    if reason:
-        logger.error("AFD attention server stopped by AFD: %s", reason[0])
+    if reasons:
+        logger.error("AFD attention server stopped by AFD: %s", reasons[0])
         return 1
     return code if code >= 0 else 128 - code
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import weakref
 from collections import Counter
 from collections.abc import Iterable
@@ -32,6 +31,7 @@ from afd_core.errors import (
     AFDTransferMismatchError,
 )
 from afd_core.forward_context import AFDStepMetadata, set_step_metadata
+from afd_core.lifecycle import record_exit_reason
 from afd_core.registry import create_connector, get_connector_class
 from afd_core.weights import RoleWeightStats, WeightOwner, filter_role_weights
 from afd_moe_runners.dense import RemoteDenseMLP
@@ -40,7 +40,6 @@ from afd_moe_runners.exchange import no_yield, scheduler_yield
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "EXIT_REASON_ENV",
     "AFDRoleModel",
     "NoAttention",
     "RemoteDenseMLP",
@@ -50,7 +49,6 @@ __all__ = [
     "check_supported_parallelism",
     "compiled_graph_problem",
     "micro_batching_problem",
-    "record_exit_reason",
     "layer_index",
     "no_yield",
     "scheduler_yield",
@@ -238,23 +236,8 @@ def _forbidden_categories(afd: AFDConfig) -> tuple[str, ...]:
     return tuple(forbidden)
 
 
-EXIT_REASON_ENV = "AFD_EXIT_REASON_FILE"
-"""A file the attention role's worker appends why AFD stopped it to (set by ``afd serve``,
-which turns a recorded reason into a non-zero exit code of the server)."""
-
+# Errors that stop the role; recorded for the server's exit code (afd_core.lifecycle).
 _FATAL = (AFDPeerLostError, AFDTimeoutError, AFDTransferMismatchError, AFDConfigError)
-
-
-def record_exit_reason(reason: str) -> None:
-    """Append one line to :data:`EXIT_REASON_ENV`'s file, when it is set."""
-    path = os.environ.get(EXIT_REASON_ENV)
-    if not path:
-        return
-    try:
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(" ".join(reason.split()) + "\n")
-    except OSError:
-        logger.warning("AFD: cannot record the exit reason in %s", path)
 
 
 class RoleRuntime:
