@@ -71,6 +71,7 @@ def test_sigkilled_ffn_makes_waiting_attention_raise_peer_lost_within_10s(
     assert attention["first_ok"]
     assert isinstance(attention["error"], AFDPeerLostError), attention["error"]
     assert "ffn rank 0" in str(attention["error"])
+    assert attention["error"].goodbye is False  # it vanished, it did not close
     assert attention["elapsed"] < 10.0
     assert isinstance(results[("ffn", 0)], AFDPeerLostError)  # the harness saw it die
 
@@ -84,6 +85,7 @@ def test_sigkilled_attention_makes_waiting_ffn_raise_peer_lost_within_10s(
     assert not isinstance(ffn, BaseException), ffn
     assert isinstance(ffn["error"], AFDPeerLostError), ffn["error"]
     assert "attention rank 0" in str(ffn["error"])
+    assert ffn["error"].goodbye is False
     assert ffn["elapsed"] < 10.0
 
 
@@ -108,6 +110,7 @@ def test_graceful_attention_close_tells_ffn_which_rank_left(harness: ProcessHarn
     ffn = results[("ffn", 0)]
     assert isinstance(ffn["error"], AFDPeerLostError), ffn
     assert "attention rank 0" in str(ffn["error"]) and "closed" in str(ffn["error"])
+    assert ffn["error"].goodbye is True  # a stopped deployment, not a lost peer
     assert ffn["elapsed"] < 5.0
 
 

@@ -114,8 +114,9 @@ def test_peer_closing_makes_receives_and_sends_raise_peer_lost() -> None:
     # Data sent before close is still delivered; then the peer is reported gone.
     batch = ffn.recv_from_attention(timeout_s=1)
     assert batch.layer_idx == 0
-    with pytest.raises(AFDPeerLostError, match="attention rank 0 closed"):
+    with pytest.raises(AFDPeerLostError, match="attention rank 0 closed") as info:
         ffn.recv_from_attention(timeout_s=5)
+    assert info.value.goodbye is True
     with pytest.raises(AFDPeerLostError):
         ffn.recv_from_attention(timeout_s=5)  # and stays so
     with pytest.raises(AFDPeerLostError, match="cannot send"):

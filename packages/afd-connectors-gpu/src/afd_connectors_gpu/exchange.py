@@ -341,7 +341,8 @@ class ExchangeConnector(AFDConnector):
             self._broken[peer] = "it closed"
             raise AFDPeerLostError(
                 f"{self._describe(peer)} closed while {self.label} waited for layer "
-                f"{layer_idx} micro-batch {micro_batch_idx}"
+                f"{layer_idx} micro-batch {micro_batch_idx}",
+                goodbye=True,
             )
         if header.kind not in _F2A_KINDS:
             self._broken[peer] = "stream out of step after a mismatch"
@@ -426,7 +427,8 @@ class ExchangeConnector(AFDConnector):
                 self._broken[peer] = "it closed"
                 raise AFDPeerLostError(
                     f"{self._describe(peer)} closed (sent SHUTDOWN) while {self.label} waited "
-                    "for the next layer"
+                    "for the next layer",
+                    goodbye=True,
                 )
             if kind not in _A2F_KINDS:
                 self._broken[peer] = "stream out of step after a mismatch"

@@ -468,7 +468,8 @@ class P2pShmAFDConnector(ExchangeConnector):
                     self._broken[peer] = "it closed"
                     raise AFDPeerLostError(
                         f"{self.label}: {self._describe(peer)} closed its connector while "
-                        f"{action} it"
+                        f"{action} it",
+                        goodbye=True,
                     )
                 if self._peer_gone(peer):
                     if ready():

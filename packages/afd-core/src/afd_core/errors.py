@@ -39,7 +39,23 @@ class AFDTimeoutError(AFDConnectorError, TimeoutError):
 
 
 class AFDPeerLostError(AFDConnectorError, ConnectionError):
-    """The peer process went away (exited, crashed or closed its side)."""
+    """The peer process went away (exited, crashed or closed its side).
+
+    ``goodbye`` is True when the peer closed its connector on purpose (it said so:
+    a SHUTDOWN message or the transport's own close flag) rather than vanishing; a role
+    whose peers left that way stopped cleanly.
+    """
+
+    def __init__(self, *args: object, goodbye: bool = False) -> None:
+        super().__init__(*args)
+        self.goodbye = goodbye
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_peer_lost, (self.args, self.goodbye))
+
+
+def _peer_lost(args: tuple[object, ...], goodbye: bool) -> AFDPeerLostError:
+    return AFDPeerLostError(*args, goodbye=goodbye)
 
 
 class AFDConnectorClosedError(AFDConnectorError):

@@ -30,6 +30,8 @@ class ServeStats:
     layers_served: int = 0
     tokens_served: int = 0
     exit_reason: str = ""
+    peer_lost: bool = False
+    """The attention peers vanished (exited or crashed) without closing on purpose."""
 
 
 class AFDWorkerExtension:
@@ -98,6 +100,7 @@ class AFDWorkerExtension:
                     stats.tokens_served += batch.header.num_tokens
             except AFDPeerLostError as exc:
                 stats.exit_reason = f"peer gone: {exc}"
+                stats.peer_lost = not exc.goodbye
             except AFDConnectorClosedError:
                 stats.exit_reason = "stopped"
             finally:
@@ -113,6 +116,7 @@ class AFDWorkerExtension:
             "layers_served": stats.layers_served,
             "tokens_served": stats.tokens_served,
             "exit_reason": stats.exit_reason,
+            "peer_lost": stats.peer_lost,
         }
 
     def afd_stop(self) -> None:
@@ -123,8 +127,9 @@ class AFDWorkerExtension:
 
 
 def run_ffn_server(engine_args: Any) -> int:
-    """Start the FFN role; return the process exit code: 0 on SIGTERM / SIGINT, 1 when
-    it stopped because an attention peer was lost (or anything failed)."""
+    """Start the FFN role; return the process exit code: 0 on SIGTERM / SIGINT or when
+    its attention peers closed on purpose, 1 when they vanished (exited or crashed without
+    closing) or anything failed."""
     from vllm.v1.executor import Executor
 
     vllm_config = engine_args.create_engine_config()
@@ -178,11 +183,12 @@ def run_ffn_server(engine_args: Any) -> int:
         lost = [
             r["exit_reason"]
             for r in result.get("value") or []
-            if isinstance(r, dict) and str(r.get("exit_reason", "")).startswith("peer gone")
+            if isinstance(r, dict) and r.get("peer_lost")
         ]
         if lost and not requested:
-            # Its attention peers are gone: the role cannot serve any more. A supervisor
-            # must not read that as a requested stop.
+            # Its attention peers vanished (no goodbye): the role cannot serve any more,
+            # and a supervisor must not read that as a clean stop. Peers that closed on
+            # purpose (a stopped deployment) end the FFN cleanly.
             logger.error("AFD FFN server stopped: %s", lost[0])
             return 1
         logger.info("AFD FFN server stopped: %s", result.get("value"))

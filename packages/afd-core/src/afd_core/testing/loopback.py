@@ -192,7 +192,8 @@ class LoopbackAFDConnector(AFDConnector):
                         # Left in place: every later receive fails the same way.
                         raise AFDPeerLostError(
                             f"{self._who}: {self._peer_role.value} rank {peer} closed its "
-                            "connector (peer gone)"
+                            "connector (peer gone)",
+                            goodbye=True,
                         )
                     return box.popleft()
                 if deadline == math.inf:  # the next step: no deadline
