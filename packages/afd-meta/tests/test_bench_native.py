@@ -125,6 +125,16 @@ class _FakeDeployment:
         pass
 
 
+def _fake_runs(monkeypatch: pytest.MonkeyPatch, deployment: Any, level: Any) -> None:
+    """``afd bench`` with fake deployments and levels on a 2-CPU host without CUDA."""
+    monkeypatch.setattr(bench, "Deployment", deployment)
+    monkeypatch.setattr(bench, "run_level", level)
+    monkeypatch.setattr(bench, "served_model", lambda url: "m")
+    monkeypatch.setattr(bench, "stream_completion", lambda *a, **k: None)
+    monkeypatch.setattr(bench, "usable_cpus", lambda: [0, 1])
+    monkeypatch.setattr(bench, "detect_cuda_devices", lambda: [])
+
+
 def test_bench_report_keeps_old_keys_and_adds_the_native_configs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -139,12 +149,7 @@ def test_bench_report_keeps_old_keys_and_adds_the_native_configs(
         key = dep.cpus["native0"] if dep.spec.native else "afd"
         return _lv(_FakeDeployment.TOK_S[key][c])
 
-    monkeypatch.setattr(bench, "Deployment", fake_deployment)
-    monkeypatch.setattr(bench, "run_level", fake_level)
-    monkeypatch.setattr(bench, "served_model", lambda url: "m")
-    monkeypatch.setattr(bench, "stream_completion", lambda *a, **k: None)
-    monkeypatch.setattr(bench, "usable_cpus", lambda: [0, 1])
-    monkeypatch.setattr(bench, "detect_cuda_devices", lambda: [])
+    _fake_runs(monkeypatch, fake_deployment, fake_level)
     out = tmp_path / "out"
     args = _bench_args(
         ["--model", str(tmp_path), "--concurrency", "1,4", "--out", str(out), "--no-plot"]
@@ -204,12 +209,7 @@ def test_bench_measures_every_m_and_reports_the_best_per_level(
             return _lv(native[c])
         return _lv(tok_s[int(spec.afd.get("num_micro_batches", 1))][c])
 
-    monkeypatch.setattr(bench, "Deployment", fake_deployment)
-    monkeypatch.setattr(bench, "run_level", fake_level)
-    monkeypatch.setattr(bench, "served_model", lambda url: "m")
-    monkeypatch.setattr(bench, "stream_completion", lambda *a, **k: None)
-    monkeypatch.setattr(bench, "usable_cpus", lambda: [0, 1])
-    monkeypatch.setattr(bench, "detect_cuda_devices", lambda: [])
+    _fake_runs(monkeypatch, fake_deployment, fake_level)
     out = tmp_path / "out"
     argv = ["--model", str(tmp_path), "--concurrency", "1,16", "--out", str(out), "--no-plot"]
     args = _bench_args([*argv, "--native-configs", "auto", "--micro-batches", "1,2,3"])

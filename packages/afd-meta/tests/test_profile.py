@@ -13,14 +13,22 @@ from afd_core import profiling
 MS = 1_000_000
 
 
-def _write_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int = 5) -> None:
-    """Two roles, 3 AFD layers per step: attention 1 ms per layer, FFN compute 2 ms,
-    the attention waits 2.5 ms per layer (0.5 ms overhead per layer)."""
+def _recorders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[profiling.SpanRecorder, profiling.SpanRecorder]:
+    """Fresh span recorders of attention rank 0 and FFN rank 0, writing to ``tmp_path``."""
     monkeypatch.setattr(profiling, "_recorders", {})
     monkeypatch.setenv(profiling.PROFILE_DIR_ENV, str(tmp_path))
     attn = profiling.recorder("attention", 0)
     ffn = profiling.recorder("ffn", 0)
     assert attn is not None and ffn is not None
+    return attn, ffn
+
+
+def _write_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int = 5) -> None:
+    """Two roles, 3 AFD layers per step: attention 1 ms per layer, FFN compute 2 ms,
+    the attention waits 2.5 ms per layer (0.5 ms overhead per layer)."""
+    attn, ffn = _recorders(tmp_path, monkeypatch)
     t = 0
     for _ in range(steps):
         for layer in (1, 2, 3):
@@ -86,11 +94,7 @@ def _write_ping_pong(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int
     runs them, 2 AFD layers per step: a turn is the wait for the micro-batch's previous
     answer (0.4 ms), 1 ms of attention work and a 0.1 ms send; after the last layer each
     micro-batch waits for its answer; 3 ms of sampling/scheduling end each step."""
-    monkeypatch.setattr(profiling, "_recorders", {})
-    monkeypatch.setenv(profiling.PROFILE_DIR_ENV, str(tmp_path))
-    attn = profiling.recorder("attention", 0)
-    ffn = profiling.recorder("ffn", 0)
-    assert attn is not None and ffn is not None
+    attn, ffn = _recorders(tmp_path, monkeypatch)
     t = 0
     wait = 4 * MS // 10
 

@@ -705,26 +705,21 @@ def plot(report: dict[str, Any], path: Path) -> Path:
             if mode == "afd" and len(by_m) > 1:
                 label += " (best m)"
             ax.plot(levels, ys, "o-", color=color, label=label)
-            if mode == "afd" and get99 is None and len(by_m) > 1:
-                for (m, run), marker in zip(by_m.items(), "sv^D", strict=False):
+            # Throughput panel: every run behind the reference line, dotted.
+            variants = (
+                {f"AFD m={m}": run for m, run in by_m.items()}
+                if mode == "afd"
+                else {f"native {n}": cf for n, cf in (report.get("native_configs") or {}).items()}
+            )
+            if get99 is None and len(variants) > 1:
+                for (name, run), marker in zip(variants.items(), "sv^D", strict=False):
                     ax.plot(
                         levels,
                         [get(run["results"][str(c)]) for c in levels],
                         marker + ":",
                         color=color,
                         alpha=0.5,
-                        label=f"AFD m={m}",
-                    )
-            configs = report.get("native_configs") or {}
-            if mode == "native" and get99 is None and len(configs) > 1:
-                for (name, cf), marker in zip(configs.items(), "sv^", strict=False):
-                    ax.plot(
-                        levels,
-                        [get(cf["results"][str(c)]) for c in levels],
-                        marker + ":",
-                        color=color,
-                        alpha=0.5,
-                        label=f"native {name}",
+                        label=name,
                     )
             if get99 is not None:
                 ax.plot(
