@@ -15,6 +15,7 @@ import pytest
 
 from afd_connectors_gpu.rendezvous import check_distinct_devices, join_store
 from afd_connectors_gpu.testing import free_port
+from afd_core.config import AFDConfig
 from afd_core.errors import AFDConfigError
 from afd_core.topology import AFDTopology
 
@@ -31,13 +32,17 @@ def _join_all(topology: AFDTopology, devices: list[str | None]) -> list[Any]:
 
     def rank(g: int) -> None:
         try:
-            stores = join_store(
-                host="127.0.0.1",
+            role, own = topology.role_rank_of(g)
+            config = AFDConfig(
+                role=role,
                 port=port,
-                topology=topology,
-                global_rank=g,
+                num_attention_ranks=topology.num_attention_ranks,
+                num_ffn_ranks=topology.num_ffn_ranks,
+                rank=own,
                 connect_timeout_s=20.0,
-                device_identity=devices[g],
+            )
+            stores = join_store(
+                config=config, global_rank=g, label=f"rank {g}", device_identity=devices[g]
             )
             keep.append(stores)
             results[g] = "joined"

@@ -93,15 +93,13 @@ class P2pAFDConnector(ExchangeConnector):
     def _join(self) -> None:
         self._device = self._select_device()
         group = join_data_plane(
-            host=self.config.host,
-            port=self.config.port,
-            topology=self.topology,
+            config=self.config,
             global_rank=self._global_rank,
-            connect_timeout_s=self.config.connect_timeout_s,
-            transfer_timeout_s=self.config.transfer_timeout_s,
+            label=self.label,
             nccl_device=self._device if self.backend == "nccl" else None,
             nccl_timeout_s=self.config.transfer_timeout_s + _NCCL_WATCHDOG_MARGIN_S,
             device_identity=self._device_identity(),
+            identity=self.identity,
         )
         if self._pool is not None:
             self._pool.device = self._device
@@ -113,6 +111,8 @@ class P2pAFDConnector(ExchangeConnector):
         group = self._group
         if group is None:
             return
+        if group.desk is not None:
+            group.desk.stop()
         import torch
 
         try:

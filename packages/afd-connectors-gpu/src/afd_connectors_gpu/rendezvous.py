@@ -1,10 +1,13 @@
 """Joining the AFD data-plane process group without touching torch's global state.
 
 All ranks of both roles meet at ``config.host:config.port``: global rank 0
-(attention rank 0) hosts a ``torch.distributed.TCPStore`` there, every rank
-announces itself under a key, waits for all the others (so a missing peer is
-reported by name instead of as an opaque gloo timeout) and then builds a gloo
-backend (and, for NCCL, a second backend) from the same store.
+(attention rank 0) hosts a ``torch.distributed.TCPStore`` there. Every other rank first
+passes the host's admission desk (:mod:`afd_core.admission`: token, rank, deployment
+fingerprint), then all ranks continue under the deployment's session prefix: every rank
+announces itself under a key, waits for all the others (so a missing peer is reported by
+name instead of as an opaque gloo timeout) and then builds a gloo backend (and, for
+NCCL, a second backend) from the same store. The host keeps answering late hellos
+(refusing them) until its connector closes.
 
 This does what ``vllm.distributed.utils.stateless_init_torch_distributed_process_group``
 does (a process group that never becomes torch's default group, so it coexists
@@ -16,12 +19,15 @@ does not need, and the join step above wants the store itself.
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from afd_core.admission import AdmissionDesk, apply_for_admission, resolve_token
+from afd_core.config import AFDConfig
 from afd_core.errors import AFDConfigError, AFDTimeoutError
 from afd_core.topology import AFDTopology
 
@@ -62,6 +68,8 @@ class DataPlaneGroup:
     store: Any
     gloo: Any
     nccl: dict[str, Any] = field(default_factory=dict)
+    desk: AdmissionDesk | None = None
+    """Attention rank 0's admission desk (answers late hellos until the connector closes)."""
 
 
 def check_distinct_devices(topology: AFDTopology, devices: Sequence[str]) -> None:
@@ -92,8 +100,11 @@ def _wait_for_keys(
     what: str,
     topology: AFDTopology,
     where: str,
+    poll: Callable[[], None] | None = None,
 ) -> None:
     while True:
+        if poll is not None:
+            poll()
         if store.check(list(keys)):
             return
         if time.monotonic() >= deadline:
@@ -111,31 +122,57 @@ def _wait_for_keys(
         time.sleep(_POLL_S)
 
 
+def _wait_for_listener(host: str, port: int, deadline: float) -> None:
+    """Wait until something listens at ``host:port`` (polling every 50 ms).
+
+    torch's TCPStore client retries a refused connection with a growing backoff (seconds
+    apart), so a rank that starts long before attention rank 0 would join several seconds
+    after it; polling here makes the join follow the host's start within 0.1 s. At the
+    deadline the TCPStore client below reports the failure.
+    """
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.05)
+
+
 def join_store(
     *,
-    host: str,
-    port: int,
-    topology: AFDTopology,
+    config: AFDConfig,
     global_rank: int,
-    connect_timeout_s: float,
+    label: str,
     prefix: str = "afd-p2p",
     device_identity: str | None = None,
-) -> tuple[Any, Any, float]:
-    """Open (attention rank 0: host) the TCPStore and wait until every rank has joined.
+    identity: Mapping[str, str] | None = None,
+) -> tuple[Any, Any, float, AdmissionDesk | None]:
+    """Open (attention rank 0: host) the TCPStore, pass admission and wait until every
+    rank has joined.
 
-    Returns ``(store, prefixed store, deadline)``; ``deadline`` is the monotonic time at
-    which the connect timeout of this rendezvous expires. A rank still missing then is
-    named in the :class:`AFDTimeoutError`. Every rank announces ``device_identity``
-    (its accelerator, or None): two ranks on one device are refused on every rank
-    (:func:`check_distinct_devices`) before any backend is built.
+    Returns ``(store, session store, deadline, desk)``: the session store holds this
+    deployment's keys under ``prefix`` and its session prefix; ``deadline`` is the
+    monotonic time at which the connect timeout of this rendezvous expires (a rank still
+    missing then is named in the :class:`AFDTimeoutError`); ``desk`` is the host's
+    admission desk, answering late hellos from a thread (None on the other ranks; the
+    caller stops it when it closes). Every rank announces ``device_identity`` (its
+    accelerator, or None): two ranks on one device are refused on every rank
+    (:func:`check_distinct_devices`) before any backend is built. ``identity`` is this
+    rank's deployment fingerprint (:mod:`afd_core.identity`), compared by the host.
     """
     import torch.distributed as dist
     from torch.distributed import PrefixStore, TCPStore
 
+    host, port = config.host, config.port
+    topology = config.topology
+    connect_timeout_s = config.connect_timeout_s
     where = f"{host}:{port}"
     world = topology.world_size
     deadline = time.monotonic() + connect_timeout_s
     is_master = global_rank == 0
+    token = resolve_token(config)
+    if not is_master:
+        _wait_for_listener(host, port, deadline)
     try:
         store = TCPStore(
             host,
@@ -157,12 +194,36 @@ def join_store(
             "is attention rank 0 running with the same afd.host/afd.port?"
         ) from exc
 
-    afd_store = PrefixStore(prefix, store)
+    desk: AdmissionDesk | None = None
+    if is_master:
+        desk = AdmissionDesk(store, config=config, token=token, identity=identity, where=where)
+        session = desk.prefix
+    else:
+        session = apply_for_admission(
+            store,
+            config=config,
+            rank=topology.role_rank_of(global_rank)[1],
+            token=token,
+            identity=identity,
+            deadline=deadline,
+            where=where,
+            label=label,
+        )
+    afd_store = PrefixStore(f"{session}/{prefix}", store)
     ranks = list(range(world))
     afd_store.set(f"join/{global_rank}", device_identity or "")
     _wait_for_keys(
-        afd_store, [f"join/{g}" for g in ranks], ranks, deadline, "joining", topology, where
+        afd_store,
+        [f"join/{g}" for g in ranks],
+        ranks,
+        deadline,
+        "joining",
+        topology,
+        where,
+        poll=desk.service if desk is not None else None,
     )
+    if desk is not None:
+        desk.start()
     devices = [afd_store.get(f"join/{g}").decode() for g in ranks]
     afd_store.set(f"devices-read/{global_rank}", "1")
     try:
@@ -179,8 +240,10 @@ def join_store(
                     topology,
                     where,
                 )
+        if desk is not None:
+            desk.stop()
         raise
-    return store, afd_store, deadline
+    return store, afd_store, deadline, desk
 
 
 def barrier(
@@ -201,36 +264,75 @@ def barrier(
 
 def join_data_plane(
     *,
-    host: str,
-    port: int,
-    topology: AFDTopology,
+    config: AFDConfig,
     global_rank: int,
-    connect_timeout_s: float,
-    transfer_timeout_s: float,
+    label: str,
     nccl_device: Any | None = None,
     nccl_timeout_s: float | None = None,
     device_identity: str | None = None,
+    identity: Mapping[str, str] | None = None,
 ) -> DataPlaneGroup:
     """Rendezvous with every rank of ``topology`` and build the backends.
 
     With ``nccl_device`` two NCCL process groups are built, one per direction
     (:data:`A2F`, :data:`F2A`), with ``nccl_timeout_s`` as torch's own watchdog timeout.
     """
-    from torch.distributed import PrefixStore
-    from torch.distributed.distributed_c10d import ProcessGroupGloo
-
-    where = f"{host}:{port}"
+    topology = config.topology
+    connect_timeout_s = config.connect_timeout_s
+    transfer_timeout_s = config.transfer_timeout_s
+    where = f"{config.host}:{config.port}"
     world = topology.world_size
     is_master = global_rank == 0
     ranks = list(range(world))
-    store, afd_store, deadline = join_store(
-        host=host,
-        port=port,
-        topology=topology,
+    store, afd_store, deadline, desk = join_store(
+        config=config,
         global_rank=global_rank,
-        connect_timeout_s=connect_timeout_s,
+        label=label,
         device_identity=device_identity,
+        identity=identity,
     )
+    try:
+        return _build_backends(
+            store,
+            afd_store,
+            desk,
+            topology=topology,
+            global_rank=global_rank,
+            deadline=deadline,
+            connect_timeout_s=connect_timeout_s,
+            transfer_timeout_s=transfer_timeout_s,
+            nccl_device=nccl_device,
+            nccl_timeout_s=nccl_timeout_s,
+            where=where,
+            is_master=is_master,
+            ranks=ranks,
+        )
+    except BaseException:
+        if desk is not None:
+            desk.stop()
+        raise
+
+
+def _build_backends(
+    store: Any,
+    afd_store: Any,
+    desk: AdmissionDesk | None,
+    *,
+    topology: AFDTopology,
+    global_rank: int,
+    deadline: float,
+    connect_timeout_s: float,
+    transfer_timeout_s: float,
+    nccl_device: Any | None,
+    nccl_timeout_s: float | None,
+    where: str,
+    is_master: bool,
+    ranks: list[int],
+) -> DataPlaneGroup:
+    from torch.distributed import PrefixStore
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    world = topology.world_size
     transfer_timeout = timedelta(seconds=transfer_timeout_s)
     gloo = ProcessGroupGloo(PrefixStore("gloo", afd_store), global_rank, world, transfer_timeout)
     nccl: dict[str, Any] = {}
@@ -268,4 +370,4 @@ def join_data_plane(
             topology,
             where,
         )
-    return DataPlaneGroup(store=store, gloo=gloo, nccl=nccl)
+    return DataPlaneGroup(store=store, gloo=gloo, nccl=nccl, desk=desk)

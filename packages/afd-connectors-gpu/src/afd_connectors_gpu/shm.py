@@ -294,6 +294,7 @@ class P2pShmAFDConnector(ExchangeConnector):
         self._in: dict[int, _Ring] = {}
         self._peer_pid: dict[int, tuple[int, str]] = {}
         self._store: Any = None
+        self._desk: Any = None
         self._ready = False
 
     # -- lifecycle -----------------------------------------------------------------
@@ -312,15 +313,15 @@ class P2pShmAFDConnector(ExchangeConnector):
     def _join_rings(self) -> None:
         topo = self.topology
         g = self._global_rank
-        store, s, deadline = join_store(
-            host=self.config.host,
-            port=self.config.port,
-            topology=topo,
+        store, s, deadline, desk = join_store(
+            config=self.config,
             global_rank=g,
-            connect_timeout_s=self.config.connect_timeout_s,
+            label=self.label,
             prefix="afd-shm",
+            identity=self.identity,
         )
         self._store = store
+        self._desk = desk
         host = socket.gethostname()
         pid = os.getpid()
         s.set(f"info/{g}", json.dumps({"host": host, "pid": pid, "start": _process_start(pid)}))
@@ -403,6 +404,8 @@ class P2pShmAFDConnector(ExchangeConnector):
             )
 
     def _shutdown(self) -> None:
+        if self._desk is not None:
+            self._desk.stop()
         # Operations in other threads see _closed within a millisecond and leave;
         # only then may the rings be written to for the last time and unmapped.
         drain = time.monotonic() + _CLOSE_DRAIN_S

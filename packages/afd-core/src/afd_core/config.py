@@ -117,6 +117,23 @@ def _check_enum(name: str, value: Any, enum_cls: type[AFDRole] | type[RoutingPay
     raise _fail(name, f"one of {allowed}", value)
 
 
+def _check_allow(value: Any) -> tuple[str, ...]:
+    from afd_core.identity import FINGERPRINT_FIELDS
+
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+        raise _fail("fingerprint_allow", "a list of fingerprint field names or '*'", value)
+    valid = ("*", *FINGERPRINT_FIELDS)
+    for item in items:
+        if item not in valid:
+            close = difflib.get_close_matches(item, valid, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise AFDConfigError(
+                f"afd.fingerprint_allow: unknown field {item!r}; {hint}fields: {', '.join(valid)}"
+            )
+    return tuple(items)
+
+
 @dataclass(frozen=True, slots=True)
 class AFDConfig:
     """Validated AFD settings of one process (both roles share all fields but ``role``/``rank``)."""
@@ -135,6 +152,14 @@ class AFDConfig:
     connect_timeout_s: float = 300.0
     transfer_timeout_s: float = 600.0
     connector_extra_config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    auth_token: str | None = field(default=None, repr=False)
+    """The deployment's shared secret (prefer ``auth_token_file`` or ``AFD_AUTH_TOKEN``:
+    a value here shows in process lists and vLLM's logged config)."""
+    auth_token_file: str | None = None
+    """A file holding the deployment's shared secret (see :mod:`afd_core.admission`)."""
+    fingerprint_allow: tuple[str, ...] = ()
+    """Deployment-fingerprint fields allowed to differ between the roles (``"*"``: all);
+    see :mod:`afd_core.identity`."""
 
     def __post_init__(self) -> None:
         # Validation at the boundary: an AFDConfig that exists is valid. Values are
@@ -184,6 +209,25 @@ class AFDConfig:
         if bad_keys:
             raise _fail("connector_extra_config", "a mapping with string keys", bad_keys[0])
         put("connector_extra_config", MappingProxyType(dict(extra)))
+        if self.auth_token is not None and self.auth_token_file is not None:
+            raise AFDConfigError(
+                "afd.auth_token and afd.auth_token_file: both given; keep one (the file "
+                "keeps the token out of process lists)"
+            )
+        if self.auth_token is not None and (
+            not isinstance(self.auth_token, str) or not self.auth_token.strip()
+        ):
+            # The value is a secret: never echo it.
+            raise AFDConfigError(
+                f"afd.auth_token: expected a non-empty string, got a "
+                f"{type(self.auth_token).__name__}"
+            )
+        if self.auth_token_file is not None:
+            put(
+                "auth_token_file",
+                _check_name("auth_token_file", self.auth_token_file, "a file path"),
+            )
+        put("fingerprint_allow", _check_allow(self.fingerprint_allow))
 
     def __hash__(self) -> int:
         # The generated hash would fail on the read-only mapping; hash the plain data.
@@ -291,6 +335,8 @@ class AFDConfig:
                 value = value.value
             elif isinstance(value, Mapping):
                 value = dict(value)
+            elif isinstance(value, tuple):
+                value = list(value)
             out[f.name] = value
         return out
 

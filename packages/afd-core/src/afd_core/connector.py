@@ -97,6 +97,11 @@ class AFDConnector(abc.ABC):
     #: Registry name, e.g. ``"P2pGlooAFDConnector"``.
     name: ClassVar[str] = ""
 
+    #: This rank's deployment fingerprint (:mod:`afd_core.identity`), set by
+    #: :func:`~afd_core.registry.create_connector` before :meth:`init`; a connector with
+    #: a handshake sends it to be compared with the host's (:mod:`afd_core.admission`).
+    identity: Mapping[str, str] | None = None
+
     def __init__(self, config: AFDConfig, *, rank: int) -> None:
         topology = AFDTopology(config.num_attention_ranks, config.num_ffn_ranks)
         size = topology.size_of(config.role)

@@ -15,6 +15,8 @@ __all__ = [
     "AFDTransferMismatchError",
     "AFDMetadataMissingError",
     "UnknownConnectorError",
+    "AFDAdmissionError",
+    "AFDFingerprintMismatchError",
 ]
 
 
@@ -28,6 +30,16 @@ class AFDConfigError(AFDError, ValueError):
 
 class UnknownConnectorError(AFDConfigError, LookupError):
     """No connector is registered under the requested name."""
+
+
+class AFDAdmissionError(AFDConfigError):
+    """The deployment refused this process (token missing or wrong, rank taken), or the
+    process answering at the rendezvous address could not prove the token."""
+
+
+class AFDFingerprintMismatchError(AFDConfigError):
+    """The roles loaded different models or settings (see :mod:`afd_core.identity`); the
+    message names every differing field with both values."""
 
 
 class AFDConnectorError(AFDError, RuntimeError):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import threading
+from collections.abc import Mapping
 
 from afd_core.config import AFDConfig
 from afd_core.connector import AFDConnector
@@ -157,6 +158,15 @@ def get_connector_class(name: str) -> type[AFDConnector]:
         return cls
 
 
-def create_connector(config: AFDConfig, *, rank: int) -> AFDConnector:
-    """Instantiate ``config.connector`` for this process (not yet initialised)."""
-    return get_connector_class(config.connector)(config, rank=rank)
+def create_connector(
+    config: AFDConfig, *, rank: int, identity: Mapping[str, str] | None = None
+) -> AFDConnector:
+    """Instantiate ``config.connector`` for this process (not yet initialised).
+
+    ``identity`` is the deployment fingerprint of what this process loaded
+    (:mod:`afd_core.identity`); the connector's handshake compares it across the roles.
+    """
+    connector = get_connector_class(config.connector)(config, rank=rank)
+    if identity is not None:
+        connector.identity = dict(identity)
+    return connector

@@ -64,6 +64,7 @@ class AFDWorkerExtension:
         from afd_core.registry import create_connector
         from afd_moe_runners.builder import ffn_external_routing, shared_experts_on_attention
         from afd_moe_runners.ffn_compute import FFNLayerCompute
+        from afd_moe_runners.role_model import role_identity
 
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
         afd = AFDConfig.from_additional_config(vllm_config.additional_config)
@@ -80,7 +81,9 @@ class AFDWorkerExtension:
                 shared_experts_on_attention=shared_experts_on_attention(afd),
                 external_routing=ffn_external_routing(afd, blocks),
             )
-            connector = create_connector(afd, rank=rank)
+            connector = create_connector(
+                afd, rank=rank, identity=role_identity(model, vllm_config, afd)
+            )
             self._afd_connector = connector
             if getattr(self, "_afd_stop_requested", False):
                 return {"exit_reason": "stopped before serving"}
@@ -178,7 +181,8 @@ def run_ffn_server(engine_args: Any) -> int:
             executor.collective_rpc("afd_stop")
             server.join(timeout=10)
         if "error" in result:
-            logger.error("AFD FFN server failed: %s", result["error"])
+            error = result["error"]
+            logger.error("AFD FFN server failed: %s: %s", type(error).__name__, error)
             return 1
         lost = [
             r["exit_reason"]

@@ -1121,6 +1121,7 @@ class Deployment:
         self.startup_s: float | None = None
         self._lock = threading.Lock()
         self._stopped = False
+        self.token_note = ""
 
     # -- info ----------------------------------------------------------------------
     @property
@@ -1307,6 +1308,23 @@ class Deployment:
                 http_url=f"http://{spec.host}:{port}",
             )
         )
+        self.token_note = self._give_token()
+
+    def _give_token(self) -> str:
+        """Admission (docs/security.md): a fresh token per deployment, handed to every
+        role in its environment (``AFD_AUTH_TOKEN``: not in process lists), unless the
+        spec or the environment already chose one. Returns the line to print."""
+        from afd_core.admission import TOKEN_ENV, generate_token
+
+        given = [k for k in ("auth_token", "auth_token_file") if self.spec.afd.get(k)]
+        if given:
+            return f"admission: token from [afd] {given[0]}"
+        if all(role.env.get(TOKEN_ENV) for role in self.roles):
+            return f"admission: token from {TOKEN_ENV} in the environment"
+        token = generate_token()
+        for role in self.roles:
+            role.env[TOKEN_ENV] = token
+        return f"admission: a token generated for this deployment ({TOKEN_ENV} of each role)"
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> Deployment:
@@ -1328,6 +1346,7 @@ class Deployment:
         if not spec.native:
             how = "from [afd] connector" if spec.afd.get("connector") else "same-host default"
             self.say(f"connector: {spec.connector} ({how})")
+            self.say(self.token_note)
         self._say_devices()
         for line in self._cpu_lines:
             self.say(line)

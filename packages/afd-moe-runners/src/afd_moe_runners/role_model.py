@@ -53,6 +53,7 @@ __all__ = [
     "no_yield",
     "scheduler_yield",
     "parameter_inventory",
+    "role_identity",
 ]
 
 
@@ -236,6 +237,16 @@ def _forbidden_categories(afd: AFDConfig) -> tuple[str, ...]:
     return tuple(forbidden)
 
 
+def role_identity(model: nn.Module, vllm_config: VllmConfig, afd: AFDConfig) -> dict[str, str]:
+    """The deployment fingerprint of this role's model (compared in the handshake)."""
+    from afd_moe_runners.builder import shared_experts_on_attention
+    from afd_moe_runners.identity import deployment_identity
+
+    return deployment_identity(
+        model, vllm_config, afd, shared_experts_on_attention=shared_experts_on_attention(afd)
+    )
+
+
 # Errors that stop the role; recorded for the server's exit code (afd_core.lifecycle).
 _FATAL = (AFDPeerLostError, AFDTimeoutError, AFDTransferMismatchError, AFDConfigError)
 
@@ -254,7 +265,9 @@ class RoleRuntime:
         self.data_parallel_size = int(vllm_config.parallel_config.data_parallel_size)
         self._check_inventory(model, when="construction")
         if afd.role is AFDRole.ATTENTION:
-            self.connector = create_connector(afd, rank=self.rank)
+            self.connector = create_connector(
+                afd, rank=self.rank, identity=role_identity(model, vllm_config, afd)
+            )
             logger.info(
                 "AFD attention rank %d: connecting to the FFN role via %s at %s:%d "
                 "(waits up to %.0f s for the FFN server)",

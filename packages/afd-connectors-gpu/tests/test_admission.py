@@ -1,0 +1,195 @@
+"""Admission at the rendezvous (afd_core.admission over a real TCPStore, one thread per
+rank): tokens, taken ranks and deployment fingerprints.
+
+A stranger (no token, a wrong token, a rank that is taken) is refused with a clear
+error while the deployment keeps its store and its keys; two roles that loaded
+different models are both stopped, with the differing fields named.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from afd_connectors_gpu.rendezvous import join_store
+from afd_connectors_gpu.testing import free_port
+from afd_core.config import AFDConfig
+from afd_core.errors import AFDAdmissionError, AFDFingerprintMismatchError
+from afd_core.topology import AFDTopology
+
+TOKEN = "token-of-the-legitimate-deployment"
+IDENTITY = {"architecture": "AFDQwen3MoeForCausalLM", "dtype": "bfloat16", "checkpoint": "c0"}
+
+
+def _config(port: int, g: int, topology: AFDTopology, **values: Any) -> AFDConfig:
+    role, rank = topology.role_rank_of(g)
+    return AFDConfig(
+        role=role,
+        port=port,
+        num_attention_ranks=topology.num_attention_ranks,
+        num_ffn_ranks=topology.num_ffn_ranks,
+        rank=rank,
+        connect_timeout_s=10.0,
+        **values,
+    )
+
+
+def _join(
+    port: int,
+    g: int,
+    topology: AFDTopology,
+    identity: Mapping[str, str] | None = IDENTITY,
+    **values: Any,
+) -> tuple[Any, ...]:
+    return join_store(
+        config=_config(port, g, topology, **values),
+        global_rank=g,
+        label=f"global rank {g}",
+        identity=identity,
+    )
+
+
+def _join_all(
+    port: int, topology: AFDTopology, per_rank: Mapping[int, dict[str, Any]]
+) -> tuple[dict[int, Any], dict[int, float]]:
+    """Join every rank in a thread; results (joined tuple or exception) and seconds taken."""
+    results: dict[int, Any] = {}
+    took: dict[int, float] = {}
+
+    def run(g: int) -> None:
+        t0 = time.monotonic()
+        try:
+            results[g] = _join(port, g, topology, **per_rank.get(g, {}))
+        except Exception as exc:
+            results[g] = exc
+        took[g] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=run, args=(g,)) for g in range(topology.world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results, took
+
+
+@contextmanager
+def _deployment(topology: AFDTopology, **values: Any) -> Iterator[tuple[int, dict[int, Any]]]:
+    port = free_port()
+    per_rank = {g: dict(values) for g in range(topology.world_size)}
+    results, _ = _join_all(port, topology, per_rank)
+    assert all(isinstance(r, tuple) for r in results.values()), results
+    try:
+        yield port, results
+    finally:
+        for r in results.values():
+            if r[3] is not None:
+                r[3].stop()
+
+
+def _session_keys_intact(results: dict[int, Any], topology: AFDTopology) -> None:
+    for g, (_, session, _, _) in results.items():
+        assert session.get(f"join/{g}") == b"", g
+        session.set(f"after/{g}", "1")
+    assert results[0][1].check([f"after/{g}" for g in range(topology.world_size)])
+
+
+@pytest.mark.parametrize(
+    ("rogue", "message"),
+    [
+        ({}, "requires a token and the process presented none"),
+        ({"auth_token": "a-wrong-token-of-enough-chars"}, "wrong token"),
+        ({"auth_token": TOKEN}, "ffn rank 0 is already connected"),
+    ],
+    ids=["no-token", "wrong-token", "rank-taken"],
+)
+def test_a_stranger_is_refused_and_the_deployment_keeps_its_keys(
+    rogue: dict[str, Any], message: str
+) -> None:
+    topology = AFDTopology(1, 1)
+    with _deployment(topology, auth_token=TOKEN) as (port, results):
+        desk = results[0][3]
+        assert desk is not None and desk.complete
+        t0 = time.monotonic()
+        with pytest.raises(AFDAdmissionError, match=message):
+            _join(port, 1, topology, **rogue)
+        assert time.monotonic() - t0 < 5.0
+        assert desk.refused == 1
+        _session_keys_intact(results, topology)
+
+
+def test_an_open_deployment_refuses_a_joiner_with_a_token() -> None:
+    topology = AFDTopology(1, 1)
+    with (
+        _deployment(topology) as (port, _),
+        pytest.raises(AFDAdmissionError, match="started without one"),
+    ):
+        _join(port, 1, topology, auth_token=TOKEN)
+
+
+def test_a_squatter_without_the_token_cannot_admit_anyone() -> None:
+    """A process holding the port before attention rank 0 and admitting everyone (it
+    follows the protocol's keys but has no token) is unmasked by the joining rank."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    squatter = TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=10), wait_for_workers=False)
+    squatter.set("afd-admit/mode", "open")
+    squatter.set("afd-admit/nonce", "00")
+
+    def admit_everyone() -> None:
+        squatter.wait(["afd-admit/hello/1"], timedelta(seconds=10))
+        squatter.set("afd-admit/verdict/1", '{"ok": true, "kind": "", "reason": ""}')
+
+    thread = threading.Thread(target=admit_everyone)
+    thread.start()
+    with pytest.raises(AFDAdmissionError, match="without proving the deployment token"):
+        _join(port, 1, AFDTopology(1, 1), auth_token=TOKEN)
+    thread.join(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("ffn_identity", "fields"),
+    [
+        ({**IDENTITY, "dtype": "float32"}, ["dtype: attention rank 0 has 'bfloat16'"]),
+        (
+            {**IDENTITY, "architecture": "AFDDeepseekV3ForCausalLM", "checkpoint": "c1"},
+            ["architecture:", "'AFDDeepseekV3ForCausalLM'", "checkpoint:"],
+        ),
+    ],
+    ids=["dtype", "architecture"],
+)
+def test_a_fingerprint_mismatch_stops_both_roles(
+    ffn_identity: dict[str, str], fields: list[str]
+) -> None:
+    topology = AFDTopology(2, 1)  # global ranks: attention 0, attention 1, ffn 0
+    port = free_port()
+    results, took = _join_all(port, topology, {2: {"identity": ffn_identity}})
+    for g in (0, 2):
+        assert isinstance(results[g], AFDFingerprintMismatchError), results
+        for field in fields:
+            assert field in str(results[g])
+        assert "afd.fingerprint_allow" in str(results[g])
+        assert took[g] < 10.0
+    assert isinstance(results[1], Exception)  # the store is gone: nobody comes up
+
+
+def test_allowed_differences_and_settings_mismatches() -> None:
+    topology = AFDTopology(1, 1)
+    port = free_port()
+    other = {**IDENTITY, "dtype": "float32"}
+    results, _ = _join_all(port, topology, {1: {"identity": other, "fingerprint_allow": ["dtype"]}})
+    assert all(isinstance(r, tuple) for r in results.values()), results
+    results[0][3].stop()
+    # The gate placement is part of every fingerprint, model or not.
+    results, _ = _join_all(free_port(), topology, {1: {"compute_gate_on_attention": True}})
+    assert isinstance(results[1], AFDFingerprintMismatchError), results
+    assert "gate_on_attention: attention rank 0 has 'ffn', ffn rank 0 has 'attention'" in str(
+        results[1]
+    )
