@@ -23,6 +23,7 @@ from afd.launch import (
     RoleProcess,
     SpecError,
     add_launch_arguments,
+    allocate_health_ports,
     allocate_ports,
     bind_affinity,
     prefix_lines,
@@ -225,6 +226,32 @@ def test_fixed_ports_are_used_as_given() -> None:
     assert allocate_ports(spec.replace(native=True)) == ([base], 0)
 
 
+def test_ffn_health_ports_are_free_and_avoid_the_other_ports() -> None:
+    spec = DeploymentSpec(model="/m", num_attention=2, num_ffn=2)
+    for _ in range(10):
+        http, conn = allocate_ports(spec)
+        health = allocate_health_ports(spec, avoid=[*http, conn])
+        assert len(health) == 2 and len({*http, conn, *health}) == 4
+    assert allocate_health_ports(spec.replace(num_attention=1, num_ffn=1, native=True)) == []
+
+
+def test_fixed_ffn_health_ports_count_up_and_a_busy_one_is_named() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    spec = DeploymentSpec(model="/m", num_attention=2, num_ffn=2, ffn_health_port=base)
+    assert allocate_health_ports(spec) == [base, base + 1]
+    with pytest.raises(DeploymentError, match=rf"port {base} \(health/metrics of FFN server 0\)"):
+        allocate_health_ports(spec, avoid=[base])
+    with pytest.raises(SpecError, match=r"ffn_health_port: expected an int in 0\.\.65535"):
+        DeploymentSpec(model="/m", ffn_health_port=70000)
+
+
+def test_health_port_in_vllm_args_points_to_the_spec_field() -> None:
+    with pytest.raises(SpecError, match="ffn_health_port"):
+        DeploymentSpec(model="/m", vllm_args=["--health-port", "9000"])
+
+
 # ---------------------------------------------------------------- logs and processes
 
 
@@ -245,7 +272,7 @@ def _fake_role(tmp_path: Path, code: str, name: str = "ffn0", role: str = "ffn")
     )
 
 
-def test_role_output_is_prefixed_logged_and_marks_ready(tmp_path: Path) -> None:
+def test_role_output_is_prefixed_and_logged(tmp_path: Path) -> None:
     role = _fake_role(tmp_path, "print('hello'); print('INFO AFD FFN server ready in 1 s')")
     console = io.StringIO()
     role.start(console, threading.Lock())
@@ -258,8 +285,27 @@ def test_role_output_is_prefixed_logged_and_marks_ready(tmp_path: Path) -> None:
     ]
     log = (tmp_path / "logs" / "ffn0.log").read_text()
     assert "hello\n" in log and log.startswith("# ")  # first line: the command
-    assert role.check_ready()
+    assert not role.check_ready()  # the ready line is not readiness: /health is
     assert role.last_lines(1) == ["INFO AFD FFN server ready in 1 s\n"]
+
+
+def test_a_role_is_ready_when_its_health_url_answers_200(tmp_path: Path) -> None:
+    from afd.health import StatusServer
+
+    state = {"ok": False}
+    status = StatusServer("127.0.0.1", 0, lambda: (state["ok"], "x"), None)
+    try:
+        role = RoleProcess(
+            "ffn0", "ffn", 0, ["true"], {}, tmp_path / "ffn0.log", health_url=status.url
+        )
+        assert role.http_url is None  # not an OpenAI endpoint
+        assert not role.check_ready() and not role.ready
+        state["ok"] = True
+        assert role.check_ready() and role.ready
+        state["ok"] = False
+        assert role.check_ready()  # once ready, a role stays ready for the launcher
+    finally:
+        status.close()
 
 
 def test_bind_affinity() -> None:
@@ -324,15 +370,23 @@ def test_failing_role_raises_with_its_last_lines(tmp_path: Path) -> None:
 
 def test_stop_kills_whole_process_groups(tmp_path: Path) -> None:
     # The role ignores SIGTERM and has a child: SIGKILL after the grace period, all gone.
+    # It is ready once its /health answers 200, as an FFN server is.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     code = (
         "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-        "print('AFD FFN server ready', flush=True); time.sleep(60)"
+        "from http.server import HTTPServer, BaseHTTPRequestHandler as B\n"
+        "class H(B):\n"
+        "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+        f"HTTPServer(('127.0.0.1', {port}), H).serve_forever()"
     )
     dep = Deployment(
         _spec_with_fake_roles(tmp_path), console=io.StringIO(), echo=False, visible_devices=[]
     )
     dep.roles = [_fake_role(tmp_path, code)]
+    dep.roles[0].health_url = f"http://127.0.0.1:{port}"
     dep._build_roles = lambda: None  # type: ignore[method-assign]
     dep.start()
     role = dep.roles[0]
