@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -368,25 +369,18 @@ def test_failing_role_raises_with_its_last_lines(tmp_path: Path) -> None:
     assert not any(r.group_alive() for r in dep.roles)  # the sleeper was torn down
 
 
-def test_stop_kills_whole_process_groups(tmp_path: Path) -> None:
+def test_stop_kills_whole_process_groups(
+    tmp_path: Path, healthy_role: Callable[..., RoleProcess]
+) -> None:
     # The role ignores SIGTERM and has a child: SIGKILL after the grace period, all gone.
-    # It is ready once its /health answers 200, as an FFN server is.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    code = (
+    prelude = (
         "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-        "from http.server import HTTPServer, BaseHTTPRequestHandler as B\n"
-        "class H(B):\n"
-        "    def do_GET(self): self.send_response(200); self.end_headers()\n"
-        f"HTTPServer(('127.0.0.1', {port}), H).serve_forever()"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
     )
     dep = Deployment(
         _spec_with_fake_roles(tmp_path), console=io.StringIO(), echo=False, visible_devices=[]
     )
-    dep.roles = [_fake_role(tmp_path, code)]
-    dep.roles[0].health_url = f"http://127.0.0.1:{port}"
+    dep.roles = [healthy_role(prelude)]
     dep._build_roles = lambda: None  # type: ignore[method-assign]
     dep.start()
     role = dep.roles[0]

@@ -1304,6 +1304,10 @@ class Deployment:
                 )
             )
             return
+        if len(self.ffn_health_ports) != spec.num_ffn:
+            self.ffn_health_ports = allocate_health_ports(
+                spec, avoid=[*self.http_ports, self.connector_port]
+            )
         for rank in range(spec.num_ffn):
             afd = spec.afd_section("ffn", rank, port=self.connector_port)
             health_port = self.ffn_health_ports[rank]
@@ -1362,9 +1366,6 @@ class Deployment:
         self.log_dir = Path(spec.log_dir).expanduser() if spec.log_dir else self.work_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.http_ports, self.connector_port = allocate_ports(spec)
-        self.ffn_health_ports = allocate_health_ports(
-            spec, avoid=[*self.http_ports, self.connector_port]
-        )
         self._build_roles()
         what = "native vLLM" if spec.native else f"{spec.num_attention}A{spec.num_ffn}F"
         self.say(
