@@ -54,10 +54,12 @@ def test_one_exchange_records_latency_bytes_and_the_step_wait(
     reg = attention_registry
     assert _sample(reg, "afd_exchange_latency_seconds_count") == 1
     assert 0 < _sample(reg, "afd_exchange_latency_seconds_sum") < 60  # type: ignore[operator]
+    # Bytes and the step's wait are written once the step is over.
+    assert _sample(reg, "afd_attention_sent_bytes_total") == 0
+    assert _sample(reg, "afd_attention_ffn_wait_seconds_count") == 0
+    afd_metrics.attention_step_ended(0)
     assert _sample(reg, "afd_attention_sent_bytes_total") == x.nbytes
     assert _sample(reg, "afd_attention_received_bytes_total") == x.nbytes
-    assert _sample(reg, "afd_attention_ffn_wait_seconds_count") == 0  # the step is not over
-    afd_metrics.attention_step_ended(0)
     assert _sample(reg, "afd_attention_ffn_wait_seconds_count") == 1
     wait = _sample(reg, "afd_attention_ffn_wait_seconds_sum")
     latency = _sample(reg, "afd_exchange_latency_seconds_sum")
@@ -74,6 +76,7 @@ def test_only_the_rows_sent_are_counted(moe_env: Any, attention_registry: Any) -
     compute = FFNLayerCompute({0: torch.nn.Identity()}, vllm_config=moe_env.vllm_config)
     x = torch.randn(8, 64)
     moe_env.split_forward(RemoteDenseMLP(0), compute, x, num_tokens=3)  # 5 padding rows
+    afd_metrics.attention_step_ended(0)
     sent = _sample(attention_registry, "afd_attention_sent_bytes_total")
     assert sent == x[:3].nbytes
 

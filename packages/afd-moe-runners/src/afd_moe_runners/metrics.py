@@ -18,10 +18,11 @@ attention role
     ``afd_exchange_latency_seconds`` (histogram, one observation per layer and
     micro-batch: from the start of ``send_to_ffn`` to the end of ``recv_from_ffn``),
     ``afd_attention_sent_bytes_total`` / ``afd_attention_received_bytes_total``
-    (payload bytes), ``afd_attention_ffn_wait_seconds`` (histogram, one observation per
-    forward step with AFD layers: the time spent in ``recv_from_ffn``, summed over its
-    layers and micro-batches), ``afd_attention_peers_connected`` (gauge: FFN peers of
-    this rank's connector, 0 once closed);
+    (payload bytes, added once per step), ``afd_attention_ffn_wait_seconds``
+    (histogram, one observation per forward step with AFD layers: the time spent in
+    ``recv_from_ffn``, summed over its layers and micro-batches),
+    ``afd_attention_peers_connected`` (gauge: FFN peers of this rank's connector, 0 once
+    closed);
 FFN role
     ``afd_ffn_layers_served_total``, ``afd_ffn_tokens_served_total``,
     ``afd_ffn_compute_seconds`` (histogram, one observation per layer message: the FFN
@@ -212,28 +213,41 @@ class AttentionMetrics:
         self.received_bytes = families["received_bytes"].labels(**labels)
         self.step_wait = families["step_wait"].labels(**labels)
         self.peers = families["peers"].labels(**labels)
+        # Per-step sums, written to the (lock-protected, memory-mapped) metrics once per
+        # step: a multiprocess counter increment costs ~1 us, a layer exchange tens.
         self._step_lock = threading.Lock()
         self._step_wait_ns = 0
         self._step_exchanges = 0
+        self._step_sent = 0
+        self._step_received = 0
 
     def sent(self, payload: Any) -> None:
-        self.sent_bytes.inc(payload_bytes(payload))
+        size = payload_bytes(payload)
+        with self._step_lock:
+            self._step_sent += size
 
     def received(self, result: Any, *, started_ns: int, wait_ns: int, end_ns: int) -> None:
         """One exchange ended at ``end_ns``; it started (send) at ``started_ns`` and
         waited ``wait_ns`` in the receive."""
         self.latency.observe((end_ns - started_ns) / 1e9)
-        self.received_bytes.inc(result_bytes(result))
+        size = result_bytes(result)
         with self._step_lock:
             self._step_wait_ns += wait_ns
             self._step_exchanges += 1
+            self._step_received += size
 
     def end_step(self) -> None:
-        """A forward step ended: observe its FFN wait (steps without AFD layers are
-        skipped)."""
+        """A forward step ended: add its bytes to the counters and observe its FFN wait
+        (a step without AFD layers is not observed)."""
         with self._step_lock:
             exchanges, wait_ns = self._step_exchanges, self._step_wait_ns
-            self._step_exchanges = self._step_wait_ns = 0
+            sent, received = self._step_sent, self._step_received
+            self._step_exchanges = self._step_wait_ns = self._step_sent = 0
+            self._step_received = 0
+        if sent:
+            self.sent_bytes.inc(sent)
+        if received:
+            self.received_bytes.inc(received)
         if exchanges:
             self.step_wait.observe(wait_ns / 1e9)
 
