@@ -197,3 +197,50 @@ def test_status_server_serves_while_another_thread_holds_the_gil_briefly() -> No
     finally:
         release.set()
         status.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_busy_health_port_stops_the_ffn_server_with_one_line(tmp_path: Path) -> None:
+    import importlib.util
+    import socket
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    from afd.models.tiny import generate_tiny_checkpoint
+
+    model = generate_tiny_checkpoint("deepseek_v2", tmp_path / "dsv2")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cmd = [
+            sys.executable, "-m", "afd.cli", "serve", "--role", "ffn", str(model),
+            "--enforce-eager", "--health-host", "127.0.0.1", "--health-port", str(port),
+            "--additional-config", '{"afd": {"port": 1}}',
+        ]  # fmt: skip
+        env = {**os.environ, "TMPDIR": str(tmp_path)}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert f"cannot serve /health and /metrics on 127.0.0.1:{port}" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
+def test_multiproc_dir_switches_an_already_imported_prometheus_client() -> None:
+    code = textwrap.dedent(
+        """
+        import os
+        from prometheus_client import Counter, values
+        from afd.health import MULTIPROC_DIR_ENV, multiproc_dir, metrics_registry
+
+        os.environ.pop(MULTIPROC_DIR_ENV, None)
+        with multiproc_dir("afd-test-", keep_given=False) as path:
+            Counter("afd_test_late", "made after the switch").inc(7)
+            assert os.listdir(path), "nothing written to the multiprocess folder"
+            registry = metrics_registry()
+            assert registry.get_sample_value("afd_test_late_total") == 7
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != MULTIPROC_DIR_ENV}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)

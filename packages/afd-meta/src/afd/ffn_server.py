@@ -158,7 +158,11 @@ def run_ffn_server(engine_args: Any, *, health_host: str = "0.0.0.0", health_por
     requested: list[int] = []
     state = {"phase": "loading the model"}
     registry = metrics_registry()
-    status = StatusServer(health_host, health_port, ffn_health(registry, state), registry)
+    try:
+        status = StatusServer(health_host, health_port, ffn_health(registry, state), registry)
+    except OSError as exc:  # the port is taken: one line, not a traceback
+        logger.error("AFD FFN server: %s; choose another --health-port", exc)
+        return 1
     logger.info("AFD FFN health and metrics: %s/health %s/metrics", status.url, status.url)
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -58,6 +59,11 @@ def multiproc_dir(prefix: str, *, keep_given: bool) -> Iterator[str]:
         return
     path = tempfile.mkdtemp(prefix=prefix)
     os.environ[MULTIPROC_DIR_ENV] = path
+    values = sys.modules.get("prometheus_client.values")
+    if values is not None:
+        # Imported before the variable was set: metrics made from now on must still
+        # write to the folder (prometheus_client picks the value class at import).
+        values.ValueClass = values.get_value_class()
     try:
         yield path
     finally:
