@@ -309,6 +309,27 @@ def test_a_role_is_ready_when_its_health_url_answers_200(tmp_path: Path) -> None
         status.close()
 
 
+def test_a_role_not_ready_in_time_is_reported_with_its_health(tmp_path: Path) -> None:
+    from afd.health import StatusServer
+
+    status = StatusServer("127.0.0.1", 0, lambda: (False, "waiting for the attention peers"))
+    spec = DeploymentSpec(model=str(tmp_path), log_dir=str(tmp_path / "logs"), startup_timeout_s=2)
+    dep = Deployment(spec, console=io.StringIO(), echo=False, visible_devices=[])
+    role = _fake_role(tmp_path, "import time; print('loaded', flush=True); time.sleep(60)")
+    role.health_url = status.url
+    dep.roles = [role]
+    dep._build_roles = lambda: None  # type: ignore[method-assign]
+    try:
+        with pytest.raises(DeploymentError, match=r"ffn0 not ready after 2 s"):
+            dep.start()
+    finally:
+        status.close()
+    out = dep.console.getvalue()  # type: ignore[attr-defined]
+    assert "its /health: 503 waiting for the attention peers; last" in out, out
+    assert "[ffn0] loaded" in out  # the log tail, as for a role that died
+    assert not role.group_alive()
+
+
 def test_bind_affinity() -> None:
     assert bind_affinity("0") == [0]
     assert bind_affinity("2-3,0") == [0, 2, 3]

@@ -1007,6 +1007,8 @@ class RoleProcess:
         self.pgid: int | None = None
         self.ready = False
         self.ready_at: float | None = None
+        self.last_health = ""
+        """What the role's last ``GET /health`` answered (its first line), for messages."""
         self.tail: collections.deque[str] = collections.deque(maxlen=200)
         self._pump: threading.Thread | None = None
 
@@ -1071,7 +1073,9 @@ class RoleProcess:
             return True
         # The FFN server's /health turns 200 once its attention peers connected and it
         # serves; the attention server's once vLLM's engine is up.
-        ok = self.health_url is not None and _http_ok(f"{self.health_url}/health")
+        ok = False
+        if self.health_url is not None:
+            ok, self.last_health = _http_health(f"{self.health_url}/health")
         if ok:
             self.ready = True
             self.ready_at = time.monotonic()
@@ -1105,12 +1109,15 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-def _http_ok(url: str, timeout: float = 2.0) -> bool:
+def _http_health(url: str, timeout: float = 2.0) -> tuple[bool, str]:
+    """``(status is 200, first line of the answer)``; the reason when nothing answered."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
-            return bool(r.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+            return r.status == 200, r.read(200).decode(errors="replace").strip()
+    except urllib.error.HTTPError as e:
+        return False, f"{e.code} {e.read(200).decode(errors='replace').strip()}".strip()
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return False, f"no answer ({getattr(e, 'reason', e)})"
 
 
 # --------------------------------------------------------------------------- deployment
@@ -1422,9 +1429,11 @@ class Deployment:
             now = time.monotonic()
             if now >= deadline:
                 pending = [r for r in self.roles if not r.ready]
+                health = pending[0].last_health.splitlines()[0] if pending[0].last_health else ""
                 self._fail_role(
                     pending[0],
-                    f"not ready after {self.spec.startup_timeout_s:.0f} s (startup_timeout_s)",
+                    f"not ready after {self.spec.startup_timeout_s:.0f} s (startup_timeout_s)"
+                    + (f"; its /health: {health}" if health else ""),
                 )
             if now >= next_progress:
                 self.say(f"{now - self.started_at:.0f} s: {self._status_line()}")
