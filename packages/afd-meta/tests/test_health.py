@@ -244,3 +244,15 @@ def test_multiproc_dir_switches_an_already_imported_prometheus_client() -> None:
     )
     env = {k: v for k, v in os.environ.items() if k != MULTIPROC_DIR_ENV}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+
+
+def test_outcome_of_the_serving_loop() -> None:
+    from afd.ffn_server import _outcome
+
+    def ended(*, lost: bool) -> dict[str, Any]:
+        return {"value": [{"exit_reason": "peer gone: bye", "peer_lost": lost}]}
+
+    assert _outcome(ended(lost=False), []) == (0, "stopped: peer gone: bye")  # a goodbye
+    assert _outcome(ended(lost=True), []) == (1, "stopped: peer gone: bye")  # vanished
+    assert _outcome(ended(lost=True), [15]) == (0, "stopped: peer gone: bye")  # SIGTERM
+    assert _outcome({"error": RuntimeError("boom")}, []) == (1, "failed: boom")

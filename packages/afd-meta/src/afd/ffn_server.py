@@ -255,7 +255,10 @@ def _outcome(result: dict[str, Any], requested: list[int]) -> tuple[int, str]:
         # and a supervisor must not read that as a clean stop. Peers that closed on
         # purpose (a stopped deployment) end the FFN cleanly.
         return 1, f"stopped: {lost[0]}"
-    return 0, f"stopped: {result.get('value')}"
+    reasons = [
+        str(r.get("exit_reason") or r) for r in result.get("value") or [] if isinstance(r, dict)
+    ]
+    return 0, f"stopped: {'; '.join(reasons) or result.get('value')}"
 
 
 def ffn_health(registry: Any, state: dict[str, str]) -> Any:
