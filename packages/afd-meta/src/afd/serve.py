@@ -172,27 +172,28 @@ def run_attention_server(cmd: list[str]) -> int:
     (:mod:`afd_core.lifecycle`); this process forwards SIGTERM / SIGINT to the server and,
     after it exited: 0 if a stop was requested, 1 (logging the reason) if AFD recorded
     one, else the server's code.
+
+    The server gets ``PROMETHEUS_MULTIPROC_DIR`` (a fresh folder for its lifetime, unless
+    one is set): the AFD metrics its worker processes record then appear on its
+    ``/metrics`` (:mod:`afd_moe_runners.metrics`).
     """
+    from afd.health import multiproc_dir
+
+    with multiproc_dir("afd-attention-metrics-", keep_given=True):
+        return _run_attention_server(cmd)
+
+
+def _run_attention_server(cmd: list[str]) -> int:
     fd, reason_path = tempfile.mkstemp(prefix="afd-exit-reason-", suffix=".txt")
     os.close(fd)
     requested: list[int] = []
     sys.stdout.flush()
     sys.stderr.flush()
-    # PROMETHEUS_MULTIPROC_DIR (a fresh folder, unless given): the AFD metrics of the
-    # worker processes then reach the API server's /metrics (afd_moe_runners.metrics).
-    metrics_dir = contextlib.ExitStack()
-    from afd.health import multiproc_dir
-
-    metrics_dir.enter_context(multiproc_dir("afd-attention-metrics-", keep_given=True))
-    try:
-        child = subprocess.Popen(
-            cmd,
-            env={**os.environ, EXIT_REASON_ENV: reason_path},
-            preexec_fn=_parent_death_signal(),
-        )
-    except BaseException:
-        metrics_dir.close()
-        raise
+    child = subprocess.Popen(
+        cmd,
+        env={**os.environ, EXIT_REASON_ENV: reason_path},
+        preexec_fn=_parent_death_signal(),
+    )
 
     def forward(signum: int, _frame: Any) -> None:
         requested.append(signum)
@@ -207,7 +208,6 @@ def run_attention_server(cmd: list[str]) -> int:
             signal.signal(sig, handler)
         reasons = read_exit_reasons(reason_path)
         Path(reason_path).unlink(missing_ok=True)
-        metrics_dir.close()
     if requested:
         logger.info(
             "AFD attention server stopped on %s (server exit code %d)",
