@@ -240,6 +240,9 @@ def test_multiproc_dir_switches_an_already_imported_prometheus_client() -> None:
             assert os.listdir(path), "nothing written to the multiprocess folder"
             registry = metrics_registry()
             assert registry.get_sample_value("afd_test_late_total") == 7
+        # Afterwards metrics are this process's own again (the folder is gone).
+        Counter("afd_test_after", "made after the block").inc()
+        assert values.ValueClass is values.MutexValue
         """
     )
     env = {k: v for k, v in os.environ.items() if k != MULTIPROC_DIR_ENV}

@@ -60,6 +60,7 @@ def multiproc_dir(prefix: str, *, keep_given: bool) -> Iterator[str]:
     path = tempfile.mkdtemp(prefix=prefix)
     os.environ[MULTIPROC_DIR_ENV] = path
     values = sys.modules.get("prometheus_client.values")
+    value_class = None if values is None else values.ValueClass
     if values is not None:
         # Imported before the variable was set: metrics made from now on must still
         # write to the folder (prometheus_client picks the value class at import).
@@ -71,6 +72,8 @@ def multiproc_dir(prefix: str, *, keep_given: bool) -> Iterator[str]:
             os.environ.pop(MULTIPROC_DIR_ENV, None)
         else:
             os.environ[MULTIPROC_DIR_ENV] = given
+        if values is not None:
+            values.ValueClass = value_class
         shutil.rmtree(path, ignore_errors=True)
 
 
