@@ -259,3 +259,16 @@ def test_outcome_of_the_serving_loop() -> None:
     assert _outcome(ended(lost=True), []) == (1, "stopped: peer gone: bye")  # vanished
     assert _outcome(ended(lost=True), [15]) == (0, "stopped: peer gone: bye")  # SIGTERM
     assert _outcome({"error": RuntimeError("boom")}, []) == (1, "failed: boom")
+
+
+def test_linger_seconds_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from afd.ffn_server import LINGER_ENV, _linger_s
+
+    monkeypatch.delenv(LINGER_ENV, raising=False)
+    assert _linger_s() == 0
+    monkeypatch.setenv(LINGER_ENV, "2.5")
+    assert _linger_s() == 2.5
+    for bad in ("soon", "-1"):
+        monkeypatch.setenv(LINGER_ENV, bad)
+        with pytest.raises(SystemExit, match=rf"{LINGER_ENV}: expected seconds in 0\.\.3600"):
+            _linger_s()
