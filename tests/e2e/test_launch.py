@@ -5,7 +5,9 @@ is picked free at run time; every process started here is killed by process grou
 
 The 2A1F deployment is one attention server with two data-parallel ranks (vLLM keeps
 them in lock step, running dummy batches on the idle one, which the FFN fan-in needs)
-and one FFN server.
+and one FFN server. ``afd launch`` waits for the FFN server's ``/health`` (200 once both
+attention ranks are connected); its ``/metrics`` and the attention server's carry the
+AFD metrics of every rank.
 """
 
 from __future__ import annotations
@@ -124,6 +126,19 @@ def complete(url: str, prompt: str, max_tokens: int, timeout: float) -> dict:
         return dict(json.loads(r.read()))
 
 
+def metric_values(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``GET url/metrics`` parsed with prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        body = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): float(s.value)
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+    }
+
+
 def test_2a1f_serves_and_stops_on_sigterm(tiny_model: Path, tmp_path: Path) -> None:
     spec = tmp_path / "2a1f.toml"
     spec.write_text(
@@ -139,6 +154,15 @@ def test_2a1f_serves_and_stops_on_sigterm(tiny_model: Path, tmp_path: Path) -> N
         assert len(urls) == 1
         pgids = launcher.role_pgids()
         assert set(pgids) == {"ffn0", "attn"}
+        found = re.search(
+            r"^\[afd\]\s+(http://[\d.]+:\d+)/health, \S+/metrics  \(ffn0\)", launcher.output, re.M
+        )
+        assert found, launcher.output[-3000:]
+        ffn_url = found[1]
+        with urllib.request.urlopen(f"{ffn_url}/health", timeout=10) as r:
+            assert (r.status, r.read()) == (200, b"serving 2 attention peer(s)\n")
+        rank0, rank1 = (("rank", "0"),), (("rank", "1"),)
+        assert metric_values(ffn_url)[("afd_ffn_peers_connected", rank0)] == 2
 
         # A lone request (the other DP rank idles with dummy batches), then two at once.
         lone = complete(urls[0], "The quick brown fox", 8, 120)
@@ -152,6 +176,16 @@ def test_2a1f_serves_and_stops_on_sigterm(tiny_model: Path, tmp_path: Path) -> N
             assert a["usage"]["completion_tokens"] == 8
         # Greedy and deterministic: the same prompt gives the same text again.
         assert answers[0]["choices"][0]["text"] == lone["choices"][0]["text"]
+        # Both DP ranks exchanged layers (the idle one with dummy batches); the FFN
+        # served each layer once for both.
+        attn = metric_values(urls[0])
+        ffn = metric_values(ffn_url)
+        for rank in (rank0, rank1):
+            assert attn[("afd_attention_peers_connected", rank)] == 1
+            assert attn[("afd_exchange_latency_seconds_count", rank)] > 0
+            assert attn[("afd_attention_sent_bytes_total", rank)] > 0
+        assert ffn[("afd_ffn_layers_served_total", rank0)] > 0
+        assert ffn[("afd_ffn_tokens_served_total", rank0)] >= 3 * 8  # 3 completions x 8
 
         t0 = time.monotonic()
         launcher.proc.send_signal(signal.SIGTERM)

@@ -56,11 +56,17 @@ def role_devices(afd: dict[str, Any] | None, name: str) -> str | None:
 class RoleProcess:
     """A command in its own process group with its output captured line by line."""
 
-    def __init__(self, cmd: list[str], tmp: Path, devices: str | None = None) -> None:
+    def __init__(
+        self,
+        cmd: list[str],
+        tmp: Path,
+        devices: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=role_env(tmp, devices), start_new_session=True,
+            env={**role_env(tmp, devices), **(env or {})}, start_new_session=True,
         )  # fmt: skip
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -84,7 +90,14 @@ class RoleProcess:
 class FFNServer(RoleProcess):
     """``afd serve --role ffn`` (headless FFN role)."""
 
-    def __init__(self, model: Path, afd: dict[str, Any], tmp: Path, *extra: str) -> None:
+    def __init__(
+        self,
+        model: Path,
+        afd: dict[str, Any],
+        tmp: Path,
+        *extra: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
         cmd = [
             sys.executable,
             "-m",
@@ -100,7 +113,7 @@ class FFNServer(RoleProcess):
             json.dumps({"afd": afd}),
             *extra,
         ]
-        super().__init__(cmd, tmp, role_devices(afd, f"ffn{int(afd.get('rank', 0))}"))
+        super().__init__(cmd, tmp, role_devices(afd, f"ffn{int(afd.get('rank', 0))}"), env)
 
     def wait_ready(self, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
@@ -252,6 +265,66 @@ class Server(RoleProcess):
 
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=10) as r:
             return str(json.load(r)["data"][0]["id"])
+
+
+def http_get(url: str, timeout: float = 10) -> tuple[int | None, str]:
+    """``(status, body)`` of a GET; status None when nothing answers."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return int(e.code), e.read().decode()
+    except OSError as e:
+        return None, str(e)
+
+
+def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``GET url`` (Prometheus text format) parsed by prometheus_client's parser:
+    (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = http_get(url)
+    assert status == 200, (status, body[-2000:])
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): float(s.value)
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+    }
+
+
+class HealthWatch(threading.Thread):
+    """Polls ``GET url`` every 20 ms; records each change of (status, body); status
+    None (nothing answers) with an empty body."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.changes: list[tuple[int | None, str]] = []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            status, body = http_get(self.url, timeout=2)
+            seen = (status, body.strip() if status is not None else "")
+            if not self.changes or self.changes[-1] != seen:
+                self.changes.append(seen)
+            time.sleep(0.02)
+
+    def stop(self) -> list[tuple[int | None, str]]:
+        self._stop_event.set()
+        self.join(5)
+        return self.changes
+
+    def statuses(self) -> list[int | None]:
+        """The statuses seen, in order, repeats collapsed."""
+        out: list[int | None] = []
+        for status, _ in self.changes:
+            if not out or out[-1] != status:
+                out.append(status)
+        return out
 
 
 def group_members(pgid: int) -> list[int]:

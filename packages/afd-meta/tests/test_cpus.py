@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -331,13 +331,6 @@ def test_default_connector_is_shared_memory_unless_set(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- printed lines
 
 
-def _ready_role(tmp_path: Path) -> RoleProcess:
-    code = "import time; print('AFD FFN server ready', flush=True); time.sleep(60)"
-    return RoleProcess(
-        "ffn0", "ffn", 0, [sys.executable, "-c", code], dict(os.environ), tmp_path / "ffn0.log"
-    )
-
-
 @pytest.mark.parametrize(
     ("kwargs", "cpus", "visible", "lines"),
     [
@@ -385,13 +378,18 @@ def _ready_role(tmp_path: Path) -> RoleProcess:
     ],
 )
 def test_start_prints_connector_and_cpus(
-    tmp_path: Path, kwargs: dict, cpus: list[int], visible: list[str], lines: list[str]
+    tmp_path: Path,
+    kwargs: dict,
+    cpus: list[int],
+    visible: list[str],
+    lines: list[str],
+    healthy_role: Callable[..., RoleProcess],
 ) -> None:
     spec = DeploymentSpec(model="/m", log_dir=str(tmp_path), startup_timeout_s=30, **kwargs)
     dep = Deployment(
         spec, console=io.StringIO(), echo=False, visible_devices=visible, usable_cpus=cpus
     )
-    dep._build_roles = lambda: dep.roles.append(_ready_role(tmp_path))  # type: ignore[method-assign]
+    dep._build_roles = lambda: dep.roles.append(healthy_role())  # type: ignore[method-assign]
     with dep:
         pass
     out = dep.console.getvalue()  # type: ignore[attr-defined]

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -309,13 +308,6 @@ def test_start_fails_before_starting_anything_when_devices_are_missing() -> None
     assert dep.roles == [] and dep.work_dir is None
 
 
-def _ready_role(tmp_path: Path) -> RoleProcess:
-    code = "import time; print('AFD FFN server ready', flush=True); time.sleep(60)"
-    return RoleProcess(
-        "ffn0", "ffn", 0, [sys.executable, "-c", code], dict(os.environ), tmp_path / "ffn0.log"
-    )
-
-
 @pytest.mark.parametrize(
     ("visible", "ffn", "lines"),
     [
@@ -336,11 +328,15 @@ def _ready_role(tmp_path: Path) -> RoleProcess:
     ],
 )
 def test_start_prints_the_mapping(
-    tmp_path: Path, visible: list[str], ffn: dict, lines: list[str]
+    tmp_path: Path,
+    visible: list[str],
+    ffn: dict,
+    lines: list[str],
+    healthy_role: Callable[..., RoleProcess],
 ) -> None:
     spec = DeploymentSpec(model="/m", log_dir=str(tmp_path), ffn=ffn, startup_timeout_s=30)
     dep = Deployment(spec, console=io.StringIO(), echo=False, visible_devices=visible)
-    dep._build_roles = lambda: dep.roles.append(_ready_role(tmp_path))  # type: ignore[method-assign]
+    dep._build_roles = lambda: dep.roles.append(healthy_role())  # type: ignore[method-assign]
     with dep:
         pass
     out = dep.console.getvalue()  # type: ignore[attr-defined]

@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from afd.launch import (
     RoleProcess,
     SpecError,
     add_launch_arguments,
+    allocate_health_ports,
     allocate_ports,
     bind_affinity,
     prefix_lines,
@@ -225,6 +227,32 @@ def test_fixed_ports_are_used_as_given() -> None:
     assert allocate_ports(spec.replace(native=True)) == ([base], 0)
 
 
+def test_ffn_health_ports_are_free_and_avoid_the_other_ports() -> None:
+    spec = DeploymentSpec(model="/m", num_attention=2, num_ffn=2)
+    for _ in range(10):
+        http, conn = allocate_ports(spec)
+        health = allocate_health_ports(spec, avoid=[*http, conn])
+        assert len(health) == 2 and len({*http, conn, *health}) == 4
+    assert allocate_health_ports(spec.replace(num_attention=1, num_ffn=1, native=True)) == []
+
+
+def test_fixed_ffn_health_ports_count_up_and_a_busy_one_is_named() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    spec = DeploymentSpec(model="/m", num_attention=2, num_ffn=2, ffn_health_port=base)
+    assert allocate_health_ports(spec) == [base, base + 1]
+    with pytest.raises(DeploymentError, match=rf"port {base} \(health/metrics of FFN server 0\)"):
+        allocate_health_ports(spec, avoid=[base])
+    with pytest.raises(SpecError, match=r"ffn_health_port: expected an int in 0\.\.65535"):
+        DeploymentSpec(model="/m", ffn_health_port=70000)
+
+
+def test_health_port_in_vllm_args_points_to_the_spec_field() -> None:
+    with pytest.raises(SpecError, match="ffn_health_port"):
+        DeploymentSpec(model="/m", vllm_args=["--health-port", "9000"])
+
+
 # ---------------------------------------------------------------- logs and processes
 
 
@@ -245,7 +273,7 @@ def _fake_role(tmp_path: Path, code: str, name: str = "ffn0", role: str = "ffn")
     )
 
 
-def test_role_output_is_prefixed_logged_and_marks_ready(tmp_path: Path) -> None:
+def test_role_output_is_prefixed_and_logged(tmp_path: Path) -> None:
     role = _fake_role(tmp_path, "print('hello'); print('INFO AFD FFN server ready in 1 s')")
     console = io.StringIO()
     role.start(console, threading.Lock())
@@ -258,8 +286,48 @@ def test_role_output_is_prefixed_logged_and_marks_ready(tmp_path: Path) -> None:
     ]
     log = (tmp_path / "logs" / "ffn0.log").read_text()
     assert "hello\n" in log and log.startswith("# ")  # first line: the command
-    assert role.check_ready()
+    assert not role.check_ready()  # the ready line is not readiness: /health is
     assert role.last_lines(1) == ["INFO AFD FFN server ready in 1 s\n"]
+
+
+def test_a_role_is_ready_when_its_health_url_answers_200(tmp_path: Path) -> None:
+    from afd.health import StatusServer
+
+    state = {"ok": False}
+    status = StatusServer("127.0.0.1", 0, lambda: (state["ok"], "x"), None)
+    try:
+        role = RoleProcess(
+            "ffn0", "ffn", 0, ["true"], {}, tmp_path / "ffn0.log", health_url=status.url
+        )
+        assert role.http_url is None  # not an OpenAI endpoint
+        assert not role.check_ready() and not role.ready
+        state["ok"] = True
+        assert role.check_ready() and role.ready
+        state["ok"] = False
+        assert role.check_ready()  # once ready, a role stays ready for the launcher
+    finally:
+        status.close()
+
+
+def test_a_role_not_ready_in_time_is_reported_with_its_health(tmp_path: Path) -> None:
+    from afd.health import StatusServer
+
+    status = StatusServer("127.0.0.1", 0, lambda: (False, "waiting for the attention peers"))
+    spec = DeploymentSpec(model=str(tmp_path), log_dir=str(tmp_path / "logs"), startup_timeout_s=2)
+    dep = Deployment(spec, console=io.StringIO(), echo=False, visible_devices=[])
+    role = _fake_role(tmp_path, "import time; print('loaded', flush=True); time.sleep(60)")
+    role.health_url = status.url
+    dep.roles = [role]
+    dep._build_roles = lambda: None  # type: ignore[method-assign]
+    try:
+        with pytest.raises(DeploymentError, match=r"ffn0 not ready after 2 s"):
+            dep.start()
+    finally:
+        status.close()
+    out = dep.console.getvalue()  # type: ignore[attr-defined]
+    assert "its /health: 503 waiting for the attention peers; last" in out, out
+    assert "[ffn0] loaded" in out  # the log tail, as for a role that died
+    assert not role.group_alive()
 
 
 def test_bind_affinity() -> None:
@@ -322,17 +390,18 @@ def test_failing_role_raises_with_its_last_lines(tmp_path: Path) -> None:
     assert not any(r.group_alive() for r in dep.roles)  # the sleeper was torn down
 
 
-def test_stop_kills_whole_process_groups(tmp_path: Path) -> None:
+def test_stop_kills_whole_process_groups(
+    tmp_path: Path, healthy_role: Callable[..., RoleProcess]
+) -> None:
     # The role ignores SIGTERM and has a child: SIGKILL after the grace period, all gone.
-    code = (
+    prelude = (
         "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-        "print('AFD FFN server ready', flush=True); time.sleep(60)"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
     )
     dep = Deployment(
         _spec_with_fake_roles(tmp_path), console=io.StringIO(), echo=False, visible_devices=[]
     )
-    dep.roles = [_fake_role(tmp_path, code)]
+    dep.roles = [healthy_role(prelude)]
     dep._build_roles = lambda: None  # type: ignore[method-assign]
     dep.start()
     role = dep.roles[0]

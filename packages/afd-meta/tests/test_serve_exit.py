@@ -58,3 +58,26 @@ def test_sigterm_is_forwarded_and_is_a_clean_stop(tmp_path: object) -> None:
     assert time.monotonic() - t0 < 20
     # the supervisor's own handlers are restored afterwards
     assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.default_int_handler)
+
+
+def test_the_server_gets_a_fresh_prometheus_folder_or_the_given_one(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pathlib import Path
+
+    seen = Path(str(tmp_path)) / "seen.txt"
+    code = (
+        "import os\n"
+        "d = os.environ['PROMETHEUS_MULTIPROC_DIR']\n"
+        f"open({str(seen)!r}, 'w').write(d + ' ' + str(os.path.isdir(d) and not os.listdir(d)))\n"
+    )
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    assert run_attention_server(_child(code)) == 0
+    folder, empty = seen.read_text().split()
+    assert empty == "True" and not Path(folder).exists()  # removed once the server stopped
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    given = Path(str(tmp_path)) / "mine"
+    given.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(given))
+    assert run_attention_server(_child(code)) == 0
+    assert seen.read_text() == f"{given} True" and given.is_dir()  # the user's, kept

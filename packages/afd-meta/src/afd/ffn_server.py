@@ -11,6 +11,7 @@ Attention peers go away or the server is told to stop (SIGTERM / SIGINT).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -64,6 +65,7 @@ class AFDWorkerExtension:
         from afd_core.registry import create_connector
         from afd_moe_runners.builder import ffn_external_routing, shared_experts_on_attention
         from afd_moe_runners.ffn_compute import FFNLayerCompute
+        from afd_moe_runners.metrics import ffn_metrics
         from afd_moe_runners.role_model import role_identity
 
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
@@ -95,10 +97,12 @@ class AFDWorkerExtension:
                 afd.port,
             )
             connector.init()
+            metrics = ffn_metrics(rank)
+            metrics.peers.set(len(connector.topology.attention_peers_of(rank)))
             logger.info("AFD FFN rank %d: attention peers connected; serving", rank)
             try:
                 while True:
-                    batch = compute.serve_one(connector, timeout_s=None)
+                    batch = compute.serve_one(connector, timeout_s=None, metrics=metrics)
                     stats.layers_served += 1
                     stats.tokens_served += batch.header.num_tokens
             except AFDPeerLostError as exc:
@@ -107,6 +111,7 @@ class AFDWorkerExtension:
             except AFDConnectorClosedError:
                 stats.exit_reason = "stopped"
             finally:
+                metrics.peers.set(0)  # /health turns 503 now, before the close
                 connector.close()
         logger.info(
             "AFD FFN rank %d: served %d layer messages (%d tokens); %s",
@@ -129,28 +134,55 @@ class AFDWorkerExtension:
             connector.close()
 
 
-def run_ffn_server(engine_args: Any) -> int:
+def run_ffn_server(engine_args: Any, *, health_host: str = "0.0.0.0", health_port: int = 0) -> int:
     """Start the FFN role; return the process exit code: 0 on SIGTERM / SIGINT or when
     its attention peers closed on purpose, 1 when they vanished (exited or crashed without
-    closing) or anything failed."""
+    closing) or anything failed.
+
+    ``GET /health`` and ``GET /metrics`` are served on ``health_host:health_port`` (0: a
+    free port, logged) from the start: 503 until the attention peers are connected, 200
+    while serving, 503 again once they are gone or a stop was requested (see
+    :func:`ffn_health`). When serving ended without a signal, the server keeps answering
+    for ``AFD_FFN_LINGER_S`` seconds (default 0) before it exits, so that a health checker
+    sees why and a scraper gets the final counters.
+    """
     from vllm.v1.executor import Executor
+
+    from afd.health import StatusServer, metrics_registry
 
     vllm_config = engine_args.create_engine_config()
     afd = AFDConfig.from_additional_config(vllm_config.additional_config)
     if afd.role is not AFDRole.FFN:
         raise SystemExit(f"afd serve --role ffn got afd.role={afd.role.value!r}")
+    linger_s = _linger_s()
 
     stop = threading.Event()
+    signalled = threading.Event()
     requested: list[int] = []
+    state = {"phase": "loading the model"}
+    registry = metrics_registry()
+    try:
+        status = StatusServer(health_host, health_port, ffn_health(registry, state), registry)
+    except OSError as exc:  # the port is taken: one line, not a traceback
+        logger.error("AFD FFN server: %s; choose another --health-port", exc)
+        return 1
+    logger.info("AFD FFN health and metrics: %s/health %s/metrics", status.url, status.url)
 
     def on_signal(signum: int, _frame: Any) -> None:
-        logger.info("AFD FFN server: %s received, stopping", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        logger.info("AFD FFN server: %s received, stopping", name)
         requested.append(signum)
+        state["stopped"] = f"stopping: {name} received"
+        signalled.set()
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     t0 = time.monotonic()
-    executor = Executor.get_class(vllm_config)(vllm_config)
+    try:
+        executor = Executor.get_class(vllm_config)(vllm_config)
+    except BaseException:
+        status.close()
+        raise
     try:
         inventory = executor.collective_rpc("afd_inventory")
         logger.info(
@@ -174,30 +206,85 @@ def run_ffn_server(engine_args: Any) -> int:
                 stop.set()
 
         server = threading.Thread(target=serve, name="afd-ffn-serve", daemon=True)
+        state["phase"] = "waiting for the attention peers"
         server.start()
         while not stop.wait(0.2):
             pass
         if server.is_alive():
             executor.collective_rpc("afd_stop")
             server.join(timeout=10)
-        if "error" in result:
-            error = result["error"]
-            logger.error("AFD FFN server failed: %s: %s", type(error).__name__, error)
-            return 1
-        lost = [
-            r["exit_reason"]
-            for r in result.get("value") or []
-            if isinstance(r, dict) and r.get("peer_lost")
-        ]
-        if lost and not requested:
-            # Its attention peers vanished (no goodbye): the role cannot serve any more,
-            # and a supervisor must not read that as a clean stop. Peers that closed on
-            # purpose (a stopped deployment) end the FFN cleanly.
-            logger.error("AFD FFN server stopped: %s", lost[0])
-            return 1
-        logger.info("AFD FFN server stopped: %s", result.get("value"))
-        return 0
+        code, reason = _outcome(result, requested)
+        if code:
+            logger.error("AFD FFN server %s", reason)
+        else:
+            logger.info("AFD FFN server %s", reason)
+        if not requested and linger_s > 0:
+            state.setdefault("stopped", reason)
+            logger.info("AFD FFN server: exiting in %.1f s (%s)", linger_s, LINGER_ENV)
+            signalled.wait(linger_s)
+        return code
     finally:
         executor.shutdown()
+        status.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+LINGER_ENV = "AFD_FFN_LINGER_S"
+
+
+def _linger_s() -> float:
+    raw = os.environ.get(LINGER_ENV, "") or "0"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 3600:
+        raise SystemExit(f"{LINGER_ENV}: expected seconds in 0..3600, got {raw!r}")
+    return value
+
+
+def _outcome(result: dict[str, Any], requested: list[int]) -> tuple[int, str]:
+    """Exit code and log line (after ``AFD FFN server ``) of a serving loop that ended."""
+    if "error" in result:
+        error = result["error"]
+        return 1, f"failed: {type(error).__name__}: {error}"
+    lost = [
+        r["exit_reason"]
+        for r in result.get("value") or []
+        if isinstance(r, dict) and r.get("peer_lost")
+    ]
+    if lost and not requested:
+        # Its attention peers vanished (no goodbye): the role cannot serve any more,
+        # and a supervisor must not read that as a clean stop. Peers that closed on
+        # purpose (a stopped deployment) end the FFN cleanly.
+        return 1, f"stopped: {lost[0]}"
+    reasons = [
+        str(r.get("exit_reason") or r) for r in result.get("value") or [] if isinstance(r, dict)
+    ]
+    return 0, f"stopped: {'; '.join(reasons) or result.get('value')}"
+
+
+def ffn_health(registry: Any, state: dict[str, str]) -> Any:
+    """The FFN server's health check: healthy while its serving loop runs with its
+    attention peers connected (``afd_ffn_peers_connected`` > 0, set by the worker, which
+    may run in another process); unhealthy before (``state["phase"]`` says what it is
+    doing), once a stop was requested or serving ended (``state["stopped"]``), and once
+    the peers are gone."""
+    from afd.health import gauge_total
+
+    seen = threading.Event()
+
+    def check() -> tuple[bool, str]:
+        stopped = state.get("stopped")
+        if stopped:
+            return False, stopped
+        peers = gauge_total(registry, "afd_ffn_peers_connected")
+        if peers > 0:
+            seen.set()
+            return True, f"serving {peers:.0f} attention peer(s)"
+        if seen.is_set():
+            return False, "attention peers gone"
+        return False, state["phase"]
+
+    return check

@@ -78,6 +78,7 @@ __all__ = [
     "RoleOverrides",
     "RoleProcess",
     "SpecError",
+    "allocate_health_ports",
     "allocate_ports",
     "assign_cpus",
     "bind_affinity",
@@ -95,7 +96,6 @@ __all__ = [
 ]
 
 DEFAULT_KV_CACHE_BYTES = 64 * 1024 * 1024
-FFN_READY_MARKER = "AFD FFN server ready"  # afd.ffn_server.READY_MARKER (no vLLM import here)
 TAIL_LINES = 30
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
@@ -118,6 +118,8 @@ _MANAGED_VLLM_OPTIONS = {
     "--max-model-len": "max_model_len",
     "--kv-cache-memory-bytes": "kv_cache_memory_bytes",
     "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--health-port": "ffn_health_port",
+    "--health-host": "host",
 }
 # afd keys the launcher sets itself.
 _MANAGED_AFD_KEYS = {
@@ -183,6 +185,9 @@ class DeploymentSpec:
     """HTTP port of attention server 0 (server i gets http_port + i); 0 = free ports."""
     connector_port: int = 0
     """The AFD connector's rendezvous port; 0 = a free port."""
+    ffn_health_port: int = 0
+    """``/health`` and ``/metrics`` port of FFN server 0 (server i gets ffn_health_port +
+    i); 0 = free ports."""
     env: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None
     """Per-role log files; default: a ``logs`` folder in the deployment's work dir."""
@@ -233,7 +238,7 @@ class DeploymentSpec:
             raise fail("enforce_eager", "true or false", self.enforce_eager)
         if not isinstance(self.host, str) or not self.host.strip():
             raise fail("host", "a host name or IP address", self.host)
-        for name in ("http_port", "connector_port"):
+        for name in ("http_port", "connector_port", "ffn_health_port"):
             v = getattr(self, name)
             if not is_int(v) or not 0 <= v <= 65535:
                 raise fail(name, "an int in 0..65535 (0 = pick a free port)", v)
@@ -609,6 +614,42 @@ def allocate_ports(spec: DeploymentSpec, *, avoid: Iterable[int] = ()) -> tuple[
             s.close()
 
 
+def allocate_health_ports(spec: DeploymentSpec, *, avoid: Iterable[int] = ()) -> list[int]:
+    """The ``/health`` + ``/metrics`` ports of the FFN servers, distinct from ``avoid``
+    (the ports :func:`allocate_ports` gave): ``ffn_health_port + rank`` bind-tested, or
+    free ports from the OS when it is 0."""
+    taken = set(avoid)
+    if spec.native:
+        return []
+    if spec.ffn_health_port:
+        ports = list(range(spec.ffn_health_port, spec.ffn_health_port + spec.num_ffn))
+        for rank, p in enumerate(ports):
+            if p in taken or not _port_free(spec.host, p):
+                raise DeploymentError(
+                    f"port {p} (health/metrics of FFN server {rank}) is in use or taken by "
+                    "another port of the deployment; choose another ffn_health_port or 0 "
+                    "for free ports"
+                )
+        return ports
+    held: list[socket.socket] = []
+    ports = []
+    try:
+        while len(ports) < spec.num_ffn:
+            if len(held) > 100 + spec.num_ffn:
+                raise DeploymentError("could not find a free port")
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind((spec.host, 0))
+            port = int(s.getsockname()[1])
+            if port not in taken:
+                taken.add(port)
+                ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    return ports
+
+
 # --------------------------------------------------------------------------- devices
 
 
@@ -951,6 +992,7 @@ class RoleProcess:
         log_path: Path,
         *,
         http_url: str | None = None,
+        health_url: str | None = None,
     ) -> None:
         self.name = name
         self.role = role
@@ -959,12 +1001,15 @@ class RoleProcess:
         self.env = env
         self.log_path = log_path
         self.http_url = http_url
+        self.health_url = health_url if health_url is not None else http_url
+        """Base URL whose ``GET /health`` answers 200 once the role is ready."""
         self.proc: subprocess.Popen[bytes] | None = None
         self.pgid: int | None = None
         self.ready = False
         self.ready_at: float | None = None
+        self.last_health = ""
+        """What the role's last ``GET /health`` answered (its first line), for messages."""
         self.tail: collections.deque[str] = collections.deque(maxlen=200)
-        self._marker_seen = threading.Event()
         self._pump: threading.Thread | None = None
 
     @property
@@ -1007,8 +1052,6 @@ class RoleProcess:
                 if not line.endswith("\n"):
                     line += "\n"
                 self.tail.append(line)
-                if self.role == "ffn" and FFN_READY_MARKER in line:
-                    self._marker_seen.set()
                 log.write(line)
                 log.flush()
                 if console is not None:
@@ -1028,10 +1071,11 @@ class RoleProcess:
     def check_ready(self) -> bool:
         if self.ready:
             return True
-        if self.role == "ffn":
-            ok = self._marker_seen.is_set()
-        else:
-            ok = _http_ok(f"{self.http_url}/health")
+        # The FFN server's /health turns 200 once its attention peers connected and it
+        # serves; the attention server's once vLLM's engine is up.
+        ok = False
+        if self.health_url is not None:
+            ok, self.last_health = _http_health(f"{self.health_url}/health")
         if ok:
             self.ready = True
             self.ready_at = time.monotonic()
@@ -1065,12 +1109,15 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-def _http_ok(url: str, timeout: float = 2.0) -> bool:
+def _http_health(url: str, timeout: float = 2.0) -> tuple[bool, str]:
+    """``(status is 200, first line of the answer)``; the reason when nothing answered."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
-            return bool(r.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+            return r.status == 200, r.read(200).decode(errors="replace").strip()
+    except urllib.error.HTTPError as e:
+        return False, f"{e.code} {e.read(200).decode(errors='replace').strip()}".strip()
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return False, f"no answer ({getattr(e, 'reason', e)})"
 
 
 # --------------------------------------------------------------------------- deployment
@@ -1117,6 +1164,7 @@ class Deployment:
         self.log_dir: Path | None = None
         self.http_ports: list[int] = []
         self.connector_port = 0
+        self.ffn_health_ports: list[int] = []
         self.started_at: float | None = None
         self.startup_s: float | None = None
         self._lock = threading.Lock()
@@ -1264,12 +1312,18 @@ class Deployment:
                 )
             )
             return
+        if len(self.ffn_health_ports) != spec.num_ffn:
+            self.ffn_health_ports = allocate_health_ports(
+                spec, avoid=[*self.http_ports, self.connector_port]
+            )
         for rank in range(spec.num_ffn):
             afd = spec.afd_section("ffn", rank, port=self.connector_port)
+            health_port = self.ffn_health_ports[rank]
             cmd = [
                 py, "-m", "afd.cli", "serve", "--role", "ffn", spec.ffn.model or spec.model,
                 *spec.engine_args(), *spec.ffn.vllm_args,
                 "--additional-config", json.dumps({"afd": afd}),
+                "--health-host", spec.host, "--health-port", str(health_port),
             ]  # fmt: skip
             self.roles.append(
                 RoleProcess(
@@ -1279,6 +1333,7 @@ class Deployment:
                     cmd,
                     role_env(spec, "ffn", tmp, devices.get(f"ffn{rank}"), cpus.get(f"ffn{rank}")),
                     self.log_dir / f"ffn{rank}.log",
+                    health_url=f"http://{spec.host}:{health_port}",
                 )
             )
         # All attention ranks are the data-parallel ranks of ONE vLLM server: vLLM keeps
@@ -1356,7 +1411,7 @@ class Deployment:
                 role.start(console, self._lock)
                 self.say(
                     f"{role.name}: pid {role.pgid}"
-                    + (f", {role.http_url}" if role.http_url else "")
+                    + (f", {role.health_url}" if role.health_url else "")
                 )
             self._wait_ready()
         except BaseException:
@@ -1393,9 +1448,11 @@ class Deployment:
             now = time.monotonic()
             if now >= deadline:
                 pending = [r for r in self.roles if not r.ready]
+                health = pending[0].last_health.splitlines()[0] if pending[0].last_health else ""
                 self._fail_role(
                     pending[0],
-                    f"not ready after {self.spec.startup_timeout_s:.0f} s (startup_timeout_s)",
+                    f"not ready after {self.spec.startup_timeout_s:.0f} s (startup_timeout_s)"
+                    + (f"; its /health: {health}" if health else ""),
                 )
             if now >= next_progress:
                 self.say(f"{now - self.started_at:.0f} s: {self._status_line()}")
@@ -1538,6 +1595,7 @@ def spec_from_args(args: Any) -> DeploymentSpec:
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "http_port": args.http_port,
         "connector_port": args.connector_port,
+        "ffn_health_port": getattr(args, "ffn_health_port", None),
         "log_dir": args.log_dir,
         "startup_timeout_s": args.startup_timeout,
     }
@@ -1608,6 +1666,11 @@ def add_launch_arguments(ap: Any) -> None:
     ap.add_argument("--kv-cache-memory-bytes", type=int)
     ap.add_argument("--http-port", type=int, help="HTTP port of attention server 0 (0 = free)")
     ap.add_argument("--connector-port", type=int, help="AFD rendezvous port (0 = free)")
+    ap.add_argument(
+        "--ffn-health-port",
+        type=int,
+        help="/health and /metrics port of FFN server 0 (server i: +i; 0 = free)",
+    )
     ap.add_argument("--log-dir", help="per-role log files (default: a temporary folder)")
     ap.add_argument(
         "--attention-devices",
@@ -1658,6 +1721,10 @@ def run_launch(args: Any) -> int:
                     f"  {url}/v1  (e.g. curl {url}/v1/completions -H 'Content-Type: "
                     'application/json\' -d \'{"prompt": "Hello", "max_tokens": 16}\')'
                 )
+                dep.say(f"  {url}/metrics  (vLLM's and the attention role's AFD metrics)")
+            for role in dep.roles:
+                if role.role == "ffn":
+                    dep.say(f"  {role.health_url}/health, {role.health_url}/metrics  ({role.name})")
             dep.say("running; Ctrl-C or SIGTERM stops every role")
             gone = dep.wait()
             rc = gone.returncode()

@@ -172,7 +172,18 @@ def run_attention_server(cmd: list[str]) -> int:
     (:mod:`afd_core.lifecycle`); this process forwards SIGTERM / SIGINT to the server and,
     after it exited: 0 if a stop was requested, 1 (logging the reason) if AFD recorded
     one, else the server's code.
+
+    The server gets ``PROMETHEUS_MULTIPROC_DIR`` (a fresh folder for its lifetime, unless
+    one is set): the AFD metrics its worker processes record then appear on its
+    ``/metrics`` (:mod:`afd_moe_runners.metrics`).
     """
+    from afd.health import multiproc_dir
+
+    with multiproc_dir("afd-attention-metrics-", keep_given=True):
+        return _run_attention_server(cmd)
+
+
+def _run_attention_server(cmd: list[str]) -> int:
     fd, reason_path = tempfile.mkstemp(prefix="afd-exit-reason-", suffix=".txt")
     os.close(fd)
     requested: list[int] = []
@@ -210,12 +221,38 @@ def run_attention_server(cmd: list[str]) -> int:
     return code if code >= 0 else 128 - code
 
 
+def health_options(args: list[str]) -> tuple[str, int]:
+    """Remove the FFN server's ``--health-host`` / ``--health-port`` from ``args``;
+    return them (defaults: ``0.0.0.0``, port 0 = a free port picked at start-up)."""
+    host = _pop_option(args, "--health-host") or "0.0.0.0"
+    raw = _pop_option(args, "--health-port")
+    try:
+        port = int(raw) if raw is not None else 0
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise AFDConfigError(f"--health-port: expected a port in 0..65535 (0 = free), got {raw!r}")
+    return host, port
+
+
 def serve_ffn(model: str, rest: list[str]) -> int:
+    rest = list(rest)
+    health_host, health_port = health_options(rest)
     argv = prepare_role_args("ffn", model, rest)
     if "--worker-extension-cls" not in " ".join(argv):
         argv += ["--worker-extension-cls", WORKER_EXTENSION]
     # One in-process worker (UniProcExecutor): the FFN server needs no engine-core process.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # The worker records its metrics in this process's own multiprocess folder (a worker
+    # of another executor backend would be another process); prometheus_client reads
+    # the variable when vLLM first imports it, below.
+    from afd.health import multiproc_dir
+
+    with multiproc_dir("afd-ffn-metrics-", keep_given=False):
+        return _serve_ffn(argv, health_host, health_port)
+
+
+def _serve_ffn(argv: list[str], health_host: str, health_port: int) -> int:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -227,4 +264,4 @@ def serve_ffn(model: str, rest: list[str]) -> int:
         engine_args.distributed_executor_backend = "uni"
     from afd.ffn_server import run_ffn_server
 
-    return run_ffn_server(engine_args)
+    return run_ffn_server(engine_args, health_host=health_host, health_port=health_port)

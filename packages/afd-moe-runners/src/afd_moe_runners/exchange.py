@@ -19,6 +19,7 @@ from afd_core.errors import AFDTransferMismatchError
 from afd_core.forward_context import find_step_metadata, get_step_metadata
 from afd_core.profiling import recorder
 from afd_core.transfer import AttentionToFFN, FFNToAttention, dtype_name
+from afd_moe_runners.metrics import AttentionMetrics, attention_metrics
 
 __all__ = ["MicroBatchYield", "PendingExchange", "send_to_ffn", "no_yield", "scheduler_yield"]
 
@@ -54,6 +55,10 @@ class PendingExchange:
     """Rows of the caller's tensor; the padding rows beyond ``num_tokens`` are not sent."""
     hidden_size: int
     dtype: torch.dtype
+    metrics: AttentionMetrics | None = None
+    """Where to record this exchange (None: metrics off)."""
+    started_ns: int = 0
+    """``perf_counter_ns`` when the send started (0 unless timed)."""
 
     def receive(self) -> FFNToAttention:
         """Block until the FFN role answers; check it answers what was sent.
@@ -62,12 +67,18 @@ class PendingExchange:
         caller's row count.
         """
         rec = recorder("attention", self.connector.rank)
-        t0 = time.perf_counter_ns() if rec is not None else 0
+        metrics = self.metrics
+        timed = rec is not None or metrics is not None
+        t0 = time.perf_counter_ns() if timed else 0
         result = self.connector.recv_from_ffn(
             layer_idx=self.layer_idx, micro_batch_idx=self.micro_batch_idx
         )
-        if rec is not None:
-            rec.attention_received(self.layer_idx, self.micro_batch_idx, t0, time.perf_counter_ns())
+        if timed:
+            t1 = time.perf_counter_ns()
+            if rec is not None:
+                rec.attention_received(self.layer_idx, self.micro_batch_idx, t0, t1)
+            if metrics is not None:
+                metrics.received(result, started_ns=self.started_ns, wait_ns=t1 - t0, end_ns=t1)
         output = result.output
         assert isinstance(output, torch.Tensor)
         shape = tuple(output.shape)
@@ -114,10 +125,13 @@ def send_to_ffn(payload: AttentionToFFN, *, layer_idx: int) -> PendingExchange:
     hidden = payload.hidden_states
     assert isinstance(hidden, torch.Tensor)
     rec = recorder("attention", meta.connector.rank)
-    t0 = time.perf_counter_ns() if rec is not None else 0
+    metrics = attention_metrics(meta.connector.rank)
+    t0 = time.perf_counter_ns() if rec is not None or metrics is not None else 0
     meta.connector.send_to_ffn(payload, layer_idx=layer_idx, micro_batch_idx=meta.micro_batch_idx)
     if rec is not None:
         rec.attention_sent(layer_idx, meta.micro_batch_idx, t0, time.perf_counter_ns(), num_tokens)
+    if metrics is not None:
+        metrics.sent(payload)
     if meta.scheduler is not None:
         meta.scheduler.on_send(layer_idx, meta.micro_batch_idx, payload)
     return PendingExchange(
@@ -128,4 +142,6 @@ def send_to_ffn(payload: AttentionToFFN, *, layer_idx: int) -> PendingExchange:
         num_rows=rows,
         hidden_size=int(hidden.shape[1]),
         dtype=hidden.dtype,
+        metrics=metrics,
+        started_ns=t0,
     )

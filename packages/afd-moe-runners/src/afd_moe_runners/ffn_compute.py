@@ -43,6 +43,7 @@ from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.profiling import recorder
 from afd_core.transfer import AttentionToFFN, FFNToAttention, PayloadKind
 from afd_moe_runners._vllm_compat import check_vllm_version
+from afd_moe_runners.metrics import FFNMetrics
 from afd_moe_runners.npu.external_routing import ExternalRouting
 
 check_vllm_version()
@@ -276,10 +277,17 @@ class FFNLayerCompute:
             return FFNToAttention(out)
         return FFNToAttention(out, shared_output=hidden.new_empty((0, hidden.shape[1])))
 
-    def serve_one(self, connector: AFDConnector, *, timeout_s: float | None = None) -> FFNBatch:
-        """Receive one layer from the Attention peers, compute it, send the result back."""
+    def serve_one(
+        self,
+        connector: AFDConnector,
+        *,
+        timeout_s: float | None = None,
+        metrics: FFNMetrics | None = None,
+    ) -> FFNBatch:
+        """Receive one layer from the Attention peers, compute it, send the result back
+        (recorded in ``metrics`` when given)."""
         rec = recorder("ffn", connector.rank)
-        if rec is None:
+        if rec is None and metrics is None:
             batch = connector.recv_from_attention(timeout_s=timeout_s)
             connector.send_to_attention(batch, self.compute(batch.layer_idx, batch.payload))
             return batch
@@ -290,10 +298,13 @@ class FFNLayerCompute:
         t2 = time.perf_counter_ns()
         connector.send_to_attention(batch, result)
         t3 = time.perf_counter_ns()
-        where = {"layer": batch.layer_idx, "mb": batch.micro_batch_idx}
-        rec.span("recv", t0, t1, tokens=batch.header.num_tokens, **where)
-        rec.span("compute", t1, t2, **where)
-        rec.span("return", t2, t3, **where)
+        if metrics is not None:
+            metrics.served(batch, result, t2 - t1)
+        if rec is not None:
+            where = {"layer": batch.layer_idx, "mb": batch.micro_batch_idx}
+            rec.span("recv", t0, t1, tokens=batch.header.num_tokens, **where)
+            rec.span("compute", t1, t2, **where)
+            rec.span("return", t2, t3, **where)
         return batch
 
 

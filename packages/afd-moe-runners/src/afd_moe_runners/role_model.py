@@ -36,6 +36,7 @@ from afd_core.registry import create_connector, get_connector_class
 from afd_core.weights import RoleWeightStats, WeightOwner, filter_role_weights
 from afd_moe_runners.dense import RemoteDenseMLP
 from afd_moe_runners.exchange import no_yield, scheduler_yield
+from afd_moe_runners.metrics import attention_peers_changed, attention_step_ended
 
 logger = logging.getLogger(__name__)
 
@@ -284,10 +285,12 @@ class RoleRuntime:
                 raise
             atexit.register(self.close)
             logger.info("AFD attention rank %d: connected", self.rank)
+            attention_peers_changed(self.connector, self.rank, connected=True)
 
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
+            attention_peers_changed(self.connector, self.rank, connected=False)
 
     def attach_step_metadata(self) -> None:
         """Install this step's AFD metadata in vLLM's forward context (Attention role)."""
@@ -309,7 +312,11 @@ class RoleRuntime:
             return self._run_forward(forward, *args, **kwargs)
         except _FATAL as exc:
             record_exit_reason(f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, AFDPeerLostError):
+                attention_peers_changed(self.connector, self.rank, connected=False)
             raise
+        finally:
+            attention_step_ended(self.rank)
 
     def _run_forward(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
         from afd_moe_runners import micro_batching
