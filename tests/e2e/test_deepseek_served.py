@@ -1,5 +1,7 @@
 """AFD behind vLLM's OpenAI server (``afd serve``): 1A1F, and two attention ranks sharing
-one FFN rank (2A1F).
+one FFN rank (2A1F). The 1A1F DeepSeek-V2 deployment runs with a token, and two strangers
+(no token, a wrong one) are refused halfway through its prompts; its tokens must still
+equal native vLLM's.
 
 With 2A1F the attention ranks are the data-parallel ranks of one ``afd serve --role
 attention --data-parallel-size 2`` (vLLM keeps DP ranks in lock step, idle ranks run dummy
@@ -20,6 +22,7 @@ from afd_processes import (
     afd_settings,
     assert_role_inventories,
     assert_same_tokens,
+    rogue_join,
     run_served_afd,
 )
 
@@ -54,9 +57,27 @@ IDLE_TRANSFER_TIMEOUT_S = 4.0
 IDLE_S = 4 * IDLE_TRANSFER_TIMEOUT_S
 
 
+TOKEN = "served-test-deployment-token-0123456789"
+
+
+def _strangers_are_refused(tmp: Path) -> Any:
+    """``between`` hook: a process with no token and one with a wrong token try to take
+    FFN rank 0 of the running deployment; both must be refused."""
+
+    def check(afd: dict[str, Any]) -> None:
+        for token in (None, "a-wrong-token-of-enough-characters"):
+            proc = rogue_join(int(afd["port"]), tmp, token)
+            assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+            expected = "wrong token" if token else "requires a token"
+            assert expected in proc.stdout, proc.stdout
+
+    return check
+
+
 @pytest.mark.parametrize(
     ("arch", "num_attention", "gate", "idle", "micro_batches"),
     [
+        # with a token (in a file), and two strangers refused halfway through the prompts
         ("deepseek_v2", 1, "ffn", False, 1),
         ("deepseek_v3", 1, "attention-topk", False, 1),
         ("deepseek_v2", 2, "ffn", True, 1),
@@ -84,10 +105,21 @@ def test_served_tokens_equal_native_and_sigterm_stops_everything(
     extra: dict[str, Any] = {"transfer_timeout_s": IDLE_TRANSFER_TIMEOUT_S} if idle else {}
     if micro_batches > 1:
         extra["num_micro_batches"] = micro_batches
+    between = None
+    if arch == "deepseek_v2" and num_attention == 1:
+        token_file = tmp_path / "afd-token"
+        token_file.write_text(TOKEN)
+        token_file.chmod(0o600)
+        extra["auth_token_file"] = str(token_file)
+        between = _strangers_are_refused(tmp_path)
     afd = afd_settings(gate, num_attention_ranks=num_attention, num_ffn_ranks=1, **extra)
     got, attention_log, ffn_log = run_served_afd(
-        tiny_models[arch], afd, tmp_path, PROMPTS, idle_s=IDLE_S if idle else 0.0
+        tiny_models[arch], afd, tmp_path, PROMPTS, idle_s=IDLE_S if idle else 0.0, between=between
     )
+    if between is not None:
+        refusals = [ln for ln in attention_log.splitlines() if "refused ffn rank 0" in ln]
+        assert len(refusals) == 2, refusals
+        assert TOKEN not in attention_log + ffn_log
     if idle:
         assert "timed out" not in ffn_log, ffn_log[-3000:]
     # Both live roles reported what they hold.

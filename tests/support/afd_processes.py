@@ -409,13 +409,20 @@ def run_offline_afd(
 
 
 def run_served_afd(
-    model: Path, afd: dict[str, Any], tmp: Path, prompts: list[str], *, idle_s: float = 0.0
+    model: Path,
+    afd: dict[str, Any],
+    tmp: Path,
+    prompts: list[str],
+    *,
+    idle_s: float = 0.0,
+    between: Any = None,
 ) -> tuple[list[list[int]], str, str]:
     """1 FFN server + ``afd serve --role attention`` (with ``--data-parallel-size`` when
     ``afd["num_attention_ranks"] > 1``); the prompts are sent one at a time (with
     ``idle_s``: the deployment sits idle that long after the first half, and both roles
-    must still be running); then SIGTERM must stop every process within 10 s with exit
-    code 0 and nothing left behind. Returns (token ids per prompt, attention log, FFN log)."""
+    must still be running; ``between(afd)``, when given, runs there too); then SIGTERM
+    must stop every process within 10 s with exit code 0 and nothing left behind.
+    Returns (token ids per prompt, attention log, FFN log)."""
     ranks = int(afd.get("num_attention_ranks", 1))
     dp = ["--data-parallel-size", str(ranks)] if ranks > 1 else []
     ffn = FFNServer(model, {**afd, "role": "ffn"}, tmp)
@@ -423,9 +430,11 @@ def run_served_afd(
     try:
         ffn.wait_ready()
         attention.wait_ready()
-        half = len(prompts) // 2 if idle_s else len(prompts)
+        half = len(prompts) // 2 if idle_s or between else len(prompts)
         got = [attention.complete(p) for p in prompts[:half]]
-        if idle_s:
+        if between is not None:
+            between(afd)
+        if idle_s or between:
             time.sleep(idle_s)
             for role in (ffn, attention):
                 assert role.proc.poll() is None, (
@@ -439,6 +448,19 @@ def run_served_afd(
         attention.kill()
         ffn.kill()
     return got, attention.output, ffn.output
+
+
+def rogue_join(port: int, tmp: Path, token: str | None) -> subprocess.CompletedProcess[str]:
+    """Run ``afd_rogue.py`` against the rendezvous at ``port`` with ``token`` (or none)."""
+    env = role_env(tmp)
+    env.pop("AFD_AUTH_TOKEN", None)
+    if token is not None:
+        env["AFD_AUTH_TOKEN"] = token
+    script = Path(__file__).with_name("afd_rogue.py")
+    return subprocess.run(
+        [sys.executable, str(script), str(port)],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
 
 
 def assert_same_tokens(

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -193,3 +194,26 @@ def test_allowed_differences_and_settings_mismatches() -> None:
     assert "gate_on_attention: attention rank 0 has 'ffn', ffn rank 0 has 'attention'" in str(
         results[1]
     )
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if int(hex_port, 16) == port and state == "0A":  # LISTEN
+                found.append(address)
+    return found
+
+
+def test_the_rendezvous_listens_on_the_configured_host_only() -> None:
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("needs Linux /proc/net/tcp")
+    with _deployment(AFDTopology(1, 1)) as (port, _):
+        assert _listening_addresses(port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 / ::

@@ -258,7 +258,7 @@ def test_outcome_of_the_serving_loop() -> None:
     assert _outcome(ended(lost=False), []) == (0, "stopped: peer gone: bye")  # a goodbye
     assert _outcome(ended(lost=True), []) == (1, "stopped: peer gone: bye")  # vanished
     assert _outcome(ended(lost=True), [15]) == (0, "stopped: peer gone: bye")  # SIGTERM
-    assert _outcome({"error": RuntimeError("boom")}, []) == (1, "failed: boom")
+    assert _outcome({"error": RuntimeError("boom")}, []) == (1, "failed: RuntimeError: boom")
 
 
 def test_linger_seconds_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

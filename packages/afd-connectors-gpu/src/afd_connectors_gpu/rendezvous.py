@@ -122,6 +122,35 @@ def _wait_for_keys(
         time.sleep(_POLL_S)
 
 
+def _listen(host: str, port: int, where: str) -> int:
+    """A socket listening on ``host:port`` only, as a file descriptor for the TCPStore.
+
+    torch's TCPStore alone listens on every address of the machine whatever ``host``
+    says; the rendezvous must be reachable only where the deployment said (loopback by
+    default). The descriptor is handed over to the store.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise AFDConfigError(
+            f"AFD rendezvous: afd.host {host!r} does not resolve to an address of this "
+            f"machine ({exc}); set afd.host to attention rank 0's address"
+        ) from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(512)
+    except OSError as exc:
+        sock.close()
+        why = exc.strerror or exc
+        raise AFDConfigError(
+            f"AFD rendezvous: attention rank 0 could not listen on {where} ({why}); choose "
+            "a free afd.port, and an afd.host that is an address of this machine"
+        ) from exc
+    return sock.detach()
+
+
 def _wait_for_listener(host: str, port: int, deadline: float) -> None:
     """Wait until something listens at ``host:port`` (polling every 50 ms).
 
@@ -171,7 +200,10 @@ def join_store(
     deadline = time.monotonic() + connect_timeout_s
     is_master = global_rank == 0
     token = resolve_token(config)
-    if not is_master:
+    listen_fd = None
+    if is_master:
+        listen_fd = _listen(host, port, where)
+    else:
         _wait_for_listener(host, port, deadline)
     try:
         store = TCPStore(
@@ -181,6 +213,7 @@ def join_store(
             is_master,
             timeout=timedelta(seconds=connect_timeout_s),
             wait_for_workers=False,
+            master_listen_fd=listen_fd,
         )
     except (RuntimeError, dist.DistError) as exc:  # DistStoreError / DistNetworkError
         if is_master:
