@@ -9,10 +9,12 @@ from afd_core._version import __version__
 from afd_core.config import ADDITIONAL_CONFIG_KEY, AFDConfig, AFDRole, RoutingPayload
 from afd_core.connector import AFDConnector, FFNBatch
 from afd_core.errors import (
+    AFDAdmissionError,
     AFDConfigError,
     AFDConnectorClosedError,
     AFDConnectorError,
     AFDError,
+    AFDFingerprintMismatchError,
     AFDMetadataMissingError,
     AFDPeerLostError,
     AFDTimeoutError,
@@ -78,7 +80,9 @@ __all__ = [
     "filter_role_weights",
     # errors
     "AFDError",
+    "AFDAdmissionError",
     "AFDConfigError",
+    "AFDFingerprintMismatchError",
     "AFDConnectorError",
     "AFDConnectorClosedError",
     "AFDMetadataMissingError",
