@@ -109,7 +109,8 @@ def pytest(session: nox.Session, *args: str) -> None:
 def tests(session: nox.Session) -> None:
     """Default CPU suite: unit, contract (real vLLM CPU) and end-to-end tests."""
     sync(session, "--group", "test", "--group", "lint")
-    pytest(session, "packages", "tests", "-m", "not gpu and not npu")
+    # The 30 slowest tests end the report: where the suite's time goes (docs/development.md).
+    pytest(session, "packages", "tests", "-m", "not gpu and not npu", "--durations=30")
 
 
 @nox.session(name="tests-gpu")

@@ -102,9 +102,9 @@ class Launcher:
 
 
 def group_members(pgids: list[int]) -> list[int]:
-    from afd.launch import _group_members
+    from afd_core.procfs import group_members as members_of
 
-    return [pid for g in pgids for pid in _group_members(g)]
+    return [pid for g in pgids for pid in members_of(g)]
 
 
 def complete(url: str, prompt: str, max_tokens: int, timeout: float) -> dict:

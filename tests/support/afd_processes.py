@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from afd_core.procfs import group_members
+
 READY_MARKER = "AFD FFN server ready"
 ENGINE_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.1"]
 
@@ -325,22 +327,6 @@ class HealthWatch(threading.Thread):
             if not out or out[-1] != status:
                 out.append(status)
         return out
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live processes (not zombies) whose process group is ``pgid``."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
 
 
 def terminate_all(procs: list[subprocess.Popen[str]], timeout: float = 10.0) -> dict[int, Any]:

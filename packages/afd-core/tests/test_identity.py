@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from afd_core.admission import TOKEN_ENV, resolve_token, session_prefix
+from afd_core.admission import TOKEN_ENV, config_fields, resolve_token, session_prefix
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDConfigError
 from afd_core.identity import (
     FINGERPRINT_FIELDS,
     checkpoint_identity,
-    config_fields,
     describe_differences,
     differences,
     format_layers,

@@ -46,6 +46,7 @@ from afd_connectors_gpu.rendezvous import _wait_for_keys, barrier, join_store
 from afd_connectors_gpu.wire import FRAME_LEN, Frame
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDConfigError, AFDPeerLostError, AFDTransferMismatchError
+from afd_core.procfs import process_start
 
 __all__ = ["P2pShmAFDConnector"]
 
@@ -84,27 +85,6 @@ def _fence() -> None:
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _process_start(pid: int) -> str | None:
-    """Start time of ``pid`` (from ``/proc``), ``""`` if unknown but alive, None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return ""
-    fields = data[data.rindex(b")") + 2 :].split()
-    if fields[0] in (b"Z", b"X", b"x"):  # zombie / dead: exited, not yet reaped
-        return None
-    return fields[19].decode()  # field 22 of stat(5): start time in clock ticks
 
 
 class _Ring:
@@ -324,7 +304,7 @@ class P2pShmAFDConnector(ExchangeConnector):
         self._desk = desk
         host = socket.gethostname()
         pid = os.getpid()
-        s.set(f"info/{g}", json.dumps({"host": host, "pid": pid, "start": _process_start(pid)}))
+        s.set(f"info/{g}", json.dumps({"host": host, "pid": pid, "start": process_start(pid)}))
         self._check_shm_space()
         for peer in self._peers:
             ring = _Ring.create(self.num_slots, self.slot_bytes)
@@ -351,7 +331,7 @@ class P2pShmAFDConnector(ExchangeConnector):
                     f"rank on {host!r}; {self.name} only connects ranks of one host (use "
                     "P2pGlooAFDConnector across hosts)"
                 )
-            start = _process_start(int(info["pid"]))
+            start = process_start(int(info["pid"]))
             if start is None or (info["start"] and start != info["start"]):
                 raise AFDConfigError(
                     f"{self.label}: process {info['pid']} of {self._describe(peer)} is not "
@@ -440,7 +420,7 @@ class P2pShmAFDConnector(ExchangeConnector):
     # -- transport -------------------------------------------------------------------
     def _peer_gone(self, peer: int) -> bool:
         pid, start = self._peer_pid[peer]
-        now = _process_start(pid)
+        now = process_start(pid)
         return now is None or (bool(start) and bool(now) and now != start)
 
     def _wait(

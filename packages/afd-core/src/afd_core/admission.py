@@ -51,7 +51,7 @@ from afd_core.errors import (
     AFDFingerprintMismatchError,
     AFDTimeoutError,
 )
-from afd_core.identity import config_fields, describe_differences, differences
+from afd_core.identity import PROTOCOL_VERSION, describe_differences, differences
 from afd_core.topology import AFDTopology
 
 logger = logging.getLogger("afd.admission")
@@ -62,6 +62,7 @@ __all__ = [
     "AdmissionDesk",
     "KeyValueStore",
     "apply_for_admission",
+    "config_fields",
     "generate_token",
     "resolve_token",
     "session_prefix",
@@ -142,6 +143,19 @@ def session_prefix(token: str | None, nonce: str) -> str:
 
 def _describe(role: str, rank: int) -> str:
     return f"{role} rank {rank}"
+
+
+def config_fields(config: AFDConfig) -> dict[str, str]:
+    """The fingerprint fields that follow from the AFD settings alone."""
+    return {
+        "protocol": PROTOCOL_VERSION,
+        "connector": config.connector,
+        "topology": config.topology.label,
+        "gate_on_attention": "attention" if config.compute_gate_on_attention else "ffn",
+        "routing_payload": (
+            config.routing_payload.value if config.compute_gate_on_attention else "none"
+        ),
+    }
 
 
 def _fingerprint(config: AFDConfig, identity: Mapping[str, str] | None) -> dict[str, str]:

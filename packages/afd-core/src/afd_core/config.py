@@ -12,7 +12,6 @@ is built directly, so an instance is always valid.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import hashlib
 import json
@@ -22,7 +21,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from afd_core.errors import AFDConfigError
+from afd_core.errors import AFDConfigError, did_you_mean
+from afd_core.identity import FINGERPRINT_FIELDS
+from afd_core.roles import AFDRole
 
 if TYPE_CHECKING:
     from afd_core.topology import AFDTopology
@@ -31,11 +32,6 @@ __all__ = ["ADDITIONAL_CONFIG_KEY", "CONFIG_ALIASES", "AFDRole", "RoutingPayload
 
 ADDITIONAL_CONFIG_KEY = "afd"
 """The key of vLLM's ``additional_config`` that holds the AFD section."""
-
-
-class AFDRole(enum.StrEnum):
-    ATTENTION = "attention"
-    FFN = "ffn"
 
 
 class RoutingPayload(enum.StrEnum):
@@ -118,16 +114,14 @@ def _check_enum(name: str, value: Any, enum_cls: type[AFDRole] | type[RoutingPay
 
 
 def _check_allow(value: Any) -> tuple[str, ...]:
-    from afd_core.identity import FINGERPRINT_FIELDS
-
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
         raise _fail("fingerprint_allow", "a list of fingerprint field names or '*'", value)
     valid = ("*", *FINGERPRINT_FIELDS)
     for item in items:
         if item not in valid:
-            close = difflib.get_close_matches(item, valid, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            hint = did_you_mean(item, valid)
+            hint = f"{hint} " if hint else ""
             raise AFDConfigError(
                 f"afd.fingerprint_allow: unknown field {item!r}; {hint}fields: {', '.join(valid)}"
             )
@@ -255,8 +249,8 @@ class AFDConfig:
             canonical = CONFIG_ALIASES.get(key, key)
             if canonical not in valid:
                 candidates = [*valid, *CONFIG_ALIASES]
-                close = difflib.get_close_matches(key, candidates, n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
+                hint = did_you_mean(key, candidates)
+                hint = f"{hint} " if hint else ""
                 raise AFDConfigError(
                     f"afd: unknown key {key!r}; {hint}valid keys: {', '.join(valid)} "
                     f"(upstream aliases: {', '.join(CONFIG_ALIASES)})"

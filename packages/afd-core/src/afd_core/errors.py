@@ -5,7 +5,11 @@ Every error message says what was expected, what was found and what to change.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 __all__ = [
+    "did_you_mean",
     "AFDError",
     "AFDConfigError",
     "AFDConnectorError",
@@ -80,3 +84,10 @@ class AFDTransferMismatchError(AFDConnectorError):
 
 class AFDMetadataMissingError(AFDError, LookupError):
     """The per-step AFD metadata is not present in vLLM's forward context."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """``"did you mean 'x'?"`` for the choice closest to ``word``, or ``""`` if none is
+    close: the hint of every "unknown key / name" message."""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"did you mean {close[0]!r}?" if close else ""

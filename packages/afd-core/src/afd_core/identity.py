@@ -9,10 +9,11 @@ serves as a *deployment fingerprint*: a flat mapping of the names in
 field refuses the joining rank and stops the host, with one message naming each field
 and both values (:func:`describe_differences`).
 
-The model-independent fields come from :func:`config_fields`; the model package fills
-the rest from the loaded model. :func:`checkpoint_identity` is the content identity of a
-checkpoint directory, cheap enough to compute at every start (see its docstring for what
-it covers and what it does not).
+The model-independent fields come from :func:`afd_core.admission.config_fields`; the
+model package fills the rest from the loaded model. :func:`checkpoint_identity` is the
+content identity of a checkpoint directory, cheap enough to compute at every start (see
+its docstring for what it covers and what it does not). This module imports nothing of
+afd.
 """
 
 from __future__ import annotations
@@ -22,16 +23,12 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
-
-if TYPE_CHECKING:
-    from afd_core.config import AFDConfig
+from typing import Any, BinaryIO
 
 __all__ = [
     "FINGERPRINT_FIELDS",
     "PROTOCOL_VERSION",
     "checkpoint_identity",
-    "config_fields",
     "describe_differences",
     "differences",
     "format_layers",
@@ -72,19 +69,6 @@ _SAMPLE_BYTES = 4096
 _SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _WHOLE_FILES = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-
-def config_fields(config: AFDConfig) -> dict[str, str]:
-    """The fingerprint fields that follow from the AFD settings alone."""
-    return {
-        "protocol": PROTOCOL_VERSION,
-        "connector": config.connector,
-        "topology": config.topology.label,
-        "gate_on_attention": "attention" if config.compute_gate_on_attention else "ffn",
-        "routing_payload": (
-            config.routing_payload.value if config.compute_gate_on_attention else "none"
-        ),
-    }
 
 
 def format_layers(indices: Iterable[int]) -> str:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from afd_core.config import AFDRole
 from afd_core.errors import AFDConfigError
+from afd_core.roles import AFDRole
 
 __all__ = ["AFDTopology"]
 

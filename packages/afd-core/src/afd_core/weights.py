@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from afd_core.config import AFDRole
+from afd_core.roles import AFDRole
 
 __all__ = ["WeightOwner", "RoleWeightStats", "owner_keeps", "filter_role_weights"]
 

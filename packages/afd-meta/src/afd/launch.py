@@ -46,7 +46,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import difflib
 import functools
 import json
 import os
@@ -67,6 +66,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from afd_core.errors import AFDConfigError, AFDError, did_you_mean
+from afd_core.procfs import group_members
 
 __all__ = [
     "DEFAULT_CONNECTOR",
@@ -133,11 +135,11 @@ _MANAGED_AFD_KEYS = {
 }
 
 
-class SpecError(ValueError):
+class SpecError(AFDConfigError):
     """An invalid deployment spec (the message names the field and what is allowed)."""
 
 
-class DeploymentError(RuntimeError):
+class DeploymentError(AFDError, RuntimeError):
     """A deployment failed to start (a role exited, or start-up timed out)."""
 
 
@@ -299,7 +301,6 @@ class DeploymentSpec:
                     f"afd.{key}: set by the launcher; use the spec field {_MANAGED_AFD_KEYS[key]}"
                 )
         from afd_core.config import AFDConfig
-        from afd_core.errors import AFDConfigError
 
         try:  # the same checks the roles will run, but now, with the spec's wording
             AFDConfig.parse(self.afd_section("attention", 0, port=1))
@@ -354,8 +355,8 @@ class DeploymentSpec:
         for key, value in data.items():
             key = aliases.get(key, key)
             if key not in names:
-                close = difflib.get_close_matches(key, names, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                hint = did_you_mean(key, names)
+                hint = f" ({hint})" if hint else ""
                 raise SpecError(f"unknown key {key!r}{hint}; known keys: {', '.join(names)}")
             kwargs[key] = value
         if "model" not in kwargs:
@@ -544,8 +545,8 @@ def _overrides_from_mapping(role: str, table: Mapping[str, Any]) -> RoleOverride
     names = [f.name for f in dataclasses.fields(RoleOverrides)]
     for key in table:
         if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = did_you_mean(key, names)
+            hint = f" ({hint})" if hint else ""
             raise SpecError(f"{role}: unknown key {key!r}{hint}; known keys: {', '.join(names)}")
     return RoleOverrides(**dict(table))
 
@@ -1088,25 +1089,7 @@ class RoleProcess:
         """Whether any (non-zombie) process of this role's process group is left."""
         if self.pgid is None:
             return False
-        return bool(_group_members(self.pgid))
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) pids whose process group is ``pgid`` (from /proc)."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...: comm may contain spaces; split after ')'.
-        rest = stat.rsplit(")", 1)[-1].split()
-        if len(rest) >= 3 and rest[0] not in ("Z", "X") and int(rest[2]) == pgid:
-            members.append(int(entry))
-    return members
+        return bool(group_members(self.pgid))
 
 
 def _http_health(url: str, timeout: float = 2.0) -> tuple[bool, str]:
@@ -1514,7 +1497,7 @@ class Deployment:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     r.proc.wait(timeout=1.0)
             r.join_output(2.0)
-        survivors = {r.name: _group_members(r.pgid) for r in started if r.pgid is not None}
+        survivors = {r.name: group_members(r.pgid) for r in started if r.pgid is not None}
         survivors = {k: v for k, v in survivors.items() if v}
         if survivors:
             self.say(f"WARNING: processes left after teardown: {survivors}")

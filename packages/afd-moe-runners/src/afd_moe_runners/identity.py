@@ -13,8 +13,9 @@ from typing import Any
 
 from torch import nn
 
+from afd_core.admission import config_fields
 from afd_core.config import AFDConfig
-from afd_core.identity import checkpoint_identity, config_fields, format_layers
+from afd_core.identity import checkpoint_identity, format_layers
 
 __all__ = ["deployment_identity", "moe_layer_indices"]
 

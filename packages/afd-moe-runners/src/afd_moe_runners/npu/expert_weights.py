@@ -38,6 +38,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from afd_core.errors import AFDConfigError
+
 __all__ = [
     "EXPERT_TENSOR_FIELDS",
     "ExpertWeightsGeometry",
@@ -73,7 +75,7 @@ _OFFSET_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class ExpertWeightsLayoutError(ValueError):
+class ExpertWeightsLayoutError(AFDConfigError):
     """Expert tensors that do not match the declared layer or the model's other layers."""
 
 
