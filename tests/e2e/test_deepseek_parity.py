@@ -9,6 +9,8 @@ the native reference does, so both see identical batches.
 
 from __future__ import annotations
 
+import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +42,48 @@ def native_tokens(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPat
     return get
 
 
+# A connector from a distribution outside the workspace, found through its
+# ``afd.connectors`` entry point and accepted by what its class declares (platforms,
+# gate placements) rather than by a list of known names. It moves tensors over gloo (it
+# subclasses the gloo connector), so the built-in gloo connector stays covered too.
+THIRD_PARTY = "ThirdPartyAFDConnector"
+THIRD_PARTY_MODULE = textwrap.dedent(
+    """
+    from typing import ClassVar
+
+    from afd_connectors_gpu.p2p import P2pGlooAFDConnector
+    from afd_core.connector import ConnectorCapabilities
+
+
+    class ThirdPartyAFDConnector(P2pGlooAFDConnector):
+        name: ClassVar[str] = "ThirdPartyAFDConnector"
+        capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities(
+            platforms=frozenset({"cpu"}), gate_placements=frozenset({"ffn"})
+        )
+    """
+)
+
+
+def _install_third_party(site: Path) -> None:
+    """Lay the distribution out in ``site`` as an installer would (package + dist-info)."""
+    package = site / "afd_thirdparty_connector"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(THIRD_PARTY_MODULE)
+    info = site / "afd_thirdparty_connector-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: afd-thirdparty-connector\nVersion: 0.1.0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        f"[afd.connectors]\n{THIRD_PARTY} = afd_thirdparty_connector:ThirdPartyAFDConnector\n"
+    )
+    (info / "RECORD").write_text("")
+
+
 @pytest.mark.parametrize(
     ("arch", "gate", "connector"),
     [
-        ("deepseek_v2", "ffn", "P2pGlooAFDConnector"),
+        ("deepseek_v2", "ffn", THIRD_PARTY),
         ("deepseek_v2", "attention-topk", "P2pGlooAFDConnector"),
         ("deepseek_v2", "ffn", "P2pShmAFDConnector"),
         ("deepseek_v3", "ffn", "P2pGlooAFDConnector"),
@@ -58,9 +98,15 @@ def test_1a1f_greedy_tokens_equal_native(
     arch: str,
     gate: str,
     connector: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if connector == THIRD_PARTY:
+        _install_third_party(tmp_path / "site")
+        path = [str(tmp_path / "site"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
     afd = afd_settings(gate, connector=connector)
     result, ffn_log = run_offline_afd(tiny_models[arch], ALIASES[arch], afd, tmp_path)
+    assert f"connector {connector} at" in ffn_log
     native = native_tokens(arch)
     assert result["prompts"] == native["prompts"]
     assert_same_tokens(result["token_ids"], native["token_ids"], native["prompts"])

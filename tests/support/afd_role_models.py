@@ -18,6 +18,9 @@ BUILD = textwrap.dedent(
     from vllm.v1.executor import Executor
 
     model_dir, arch, afd = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    if afd.get("connector") == "LoopbackAFDConnector":  # a test double: registered here
+        from afd_core.testing.loopback import register_loopback
+        register_loopback()
     extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     cfg = EngineArgs(
         model=model_dir, hf_overrides={"architectures": [arch]},

@@ -87,3 +87,28 @@ def test_forbidden_import_breaks_a_contract(
     broken = [ln for ln in result.stdout.splitlines() if " BROKEN" in ln]
     assert any(contract in ln for ln in broken), result.stdout
     assert module in result.stdout
+
+
+def _connector_names() -> set[str]:
+    """Every connector a workspace package installs (afd.connectors entry points), plus
+    afd-core's test double."""
+    import tomllib
+
+    names = {"LoopbackAFDConnector"}
+    for pyproject in ROOT.glob("packages/*/pyproject.toml"):
+        data = tomllib.loads(pyproject.read_text())
+        names |= set(data.get("project", {}).get("entry-points", {}).get("afd.connectors", {}))
+    return names
+
+
+def test_runner_and_model_layers_name_no_concrete_connector() -> None:
+    """They decide by the capabilities a connector class declares, so a connector from
+    another distribution is treated like the built-in ones."""
+    names = _connector_names()
+    assert {"P2pGlooAFDConnector", "CAMP2pAFDConnector"} <= names
+    found = []
+    for package in ("afd-moe-runners", "afd-models-deepseek", "afd-models-qwen"):
+        for path in sorted((ROOT / "packages" / package / "src").rglob("*.py")):
+            text = path.read_text()
+            found += [f"{path.relative_to(ROOT)}: {n}" for n in sorted(names) if n in text]
+    assert found == []

@@ -126,18 +126,18 @@ def test_entry_point_that_is_not_a_connector_is_rejected(fake_distribution: str)
         get_connector_class("FakeMissingModule")
 
 
-def test_installed_loopback_connector_is_found_by_entry_point() -> None:
+def test_the_loopback_test_double_is_not_an_installed_connector() -> None:
     pytest.importorskip("torch")
-    eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-    if "LoopbackAFDConnector" not in eps:
-        pytest.skip(
-            "installed afd-core metadata predates its afd.connectors entry point; "
-            "reinstall afd-core (uv sync) to refresh it"
-        )
-    assert eps["LoopbackAFDConnector"] == "afd_core.testing.loopback:LoopbackAFDConnector"
-    from afd_core.testing.loopback import LoopbackAFDConnector
+    eps = {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    assert "LoopbackAFDConnector" not in eps
+    from afd_core.testing.loopback import LoopbackAFDConnector, register_loopback
 
-    assert get_connector_class("LoopbackAFDConnector") is LoopbackAFDConnector
+    unregister_connector(LoopbackAFDConnector.name)
+    with pytest.raises(UnknownConnectorError):
+        get_connector_class(LoopbackAFDConnector.name)
+    register_loopback()
+    register_loopback()  # again: nothing happens
+    assert get_connector_class(LoopbackAFDConnector.name) is LoopbackAFDConnector
 
 
 def test_unknown_connector_lists_installed_names() -> None:

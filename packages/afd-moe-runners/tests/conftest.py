@@ -19,6 +19,16 @@ def _have_vllm() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _loopback_registered() -> None:
+    """Tests here select the in-process LoopbackAFDConnector by name (it is a test
+    double, not an installed connector)."""
+    if importlib.util.find_spec("torch") is not None:
+        from afd_core.testing.loopback import register_loopback
+
+        register_loopback()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _have_vllm():
         return

@@ -90,11 +90,12 @@ def test_ffn_role_gets_the_native_factory() -> None:
 @pytest.mark.parametrize(
     ("platform", "connector", "message"),
     [
-        ("cpu", "P2pNcclAFDConnector", "set additional_config.afd.connector to one of"),
-        ("cuda", "P2pGlooAFDConnector", "['P2pNcclAFDConnector']"),
-        ("npu", "P2pNcclAFDConnector", "['CAMAsyncAFDConnector', 'CAMP2pAFDConnector']"),
-        ("npu", "P2pGlooAFDConnector", "set additional_config.afd.connector to one of"),
-        ("tpu", "P2pGlooAFDConnector", "platform 'tpu' is not supported"),
+        ("cpu", "P2pNcclAFDConnector", "not supported on platform 'cpu' (it supports cuda)"),
+        ("cuda", "P2pGlooAFDConnector", "not supported on platform 'cuda' (it supports cpu)"),
+        ("npu", "P2pNcclAFDConnector", "(it supports cuda)"),
+        ("npu", "P2pShmAFDConnector", "(it supports cpu)"),
+        ("cpu", "CAMP2pAFDConnector", "not supported on platform 'cpu' (it supports npu)"),
+        ("tpu", "P2pGlooAFDConnector", "not supported on platform 'tpu'"),
     ],
 )
 def test_unsupported_platform_connector_pairs_are_rejected(
@@ -106,6 +107,30 @@ def test_unsupported_platform_connector_pairs_are_rejected(
     with pytest.raises(AFDConfigError, match="AFD MoE runners") as info:
         afd_runner_kwargs(attention_config(connector=connector), platform=platform)
     assert message in str(info.value)
+
+
+def test_a_connector_refuses_a_gate_placement_it_does_not_declare() -> None:
+    from afd_core.config import AFDConfig
+    from afd_core.connector import ConnectorCapabilities
+    from afd_core.errors import AFDConfigError
+    from afd_core.registry import register_connector, unregister_connector
+    from afd_core.testing.loopback import LoopbackAFDConnector
+    from afd_moe_runners import afd_runner_kwargs
+
+    class GateOnAttentionOnly(LoopbackAFDConnector):
+        name = "GateOnAttentionOnlyConnector"
+        capabilities = ConnectorCapabilities(gate_placements=frozenset({"attention"}))
+
+    register_connector(GateOnAttentionOnly.name, GateOnAttentionOnly)
+    try:
+        config = attention_config(connector=GateOnAttentionOnly.name)
+        with pytest.raises(AFDConfigError, match="does not support the gate on ffn") as info:
+            afd_runner_kwargs(config, platform="cpu")
+        assert "it supports the gate on attention" in str(info.value)
+        on_attention = AFDConfig(**{**config.to_dict(), "compute_gate_on_attention": True})
+        assert afd_runner_kwargs(on_attention, platform="cpu")["runner_cls"] is not None
+    finally:
+        unregister_connector(GateOnAttentionOnly.name)
 
 
 def test_loopback_connector_is_accepted_on_every_platform() -> None:

@@ -33,6 +33,7 @@ from afd_connectors_gpu.exchange import IDLE, ExchangeConnector, _Message, _posi
 from afd_connectors_gpu.rendezvous import A2F, F2A, DataPlaneGroup, join_data_plane
 from afd_connectors_gpu.wire import FRAME_LEN, Frame
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.connector import ConnectorCapabilities
 from afd_core.errors import AFDConfigError, AFDPeerLostError, AFDTransferMismatchError
 
 __all__ = ["P2pAFDConnector", "P2pGlooAFDConnector", "P2pNcclAFDConnector"]
@@ -395,6 +396,9 @@ class P2pGlooAFDConnector(P2pAFDConnector):
     """
 
     name: ClassVar[str] = "P2pGlooAFDConnector"
+    capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities(
+        platforms=frozenset({"cpu"})
+    )
     backend: ClassVar[str] = "gloo"
 
     _KEYS: ClassVar[frozenset[str]] = frozenset({"buffer_pool", "max_num_tokens"})
@@ -438,6 +442,9 @@ class P2pNcclAFDConnector(P2pAFDConnector):
     """
 
     name: ClassVar[str] = "P2pNcclAFDConnector"
+    capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities(
+        platforms=frozenset({"cuda"})
+    )
     backend: ClassVar[str] = "nccl"
 
     _KEYS: ClassVar[frozenset[str]] = frozenset(

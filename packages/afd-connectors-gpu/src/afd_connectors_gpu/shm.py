@@ -45,6 +45,7 @@ from afd_connectors_gpu.exchange import ExchangeConnector, _Message, _positive_i
 from afd_connectors_gpu.rendezvous import _wait_for_keys, barrier, join_store
 from afd_connectors_gpu.wire import FRAME_LEN, Frame
 from afd_core.config import AFDConfig
+from afd_core.connector import ConnectorCapabilities
 from afd_core.errors import AFDConfigError, AFDPeerLostError, AFDTransferMismatchError
 from afd_core.procfs import process_start
 
@@ -221,6 +222,9 @@ class P2pShmAFDConnector(ExchangeConnector):
     """
 
     name: ClassVar[str] = "P2pShmAFDConnector"
+    capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities(
+        platforms=frozenset({"cpu"}), same_host_only=True
+    )
 
     _KEYS: ClassVar[frozenset[str]] = frozenset(
         {"max_num_tokens", "hidden_size", "dtype", "slot_bytes", "num_slots", "spin_us"}

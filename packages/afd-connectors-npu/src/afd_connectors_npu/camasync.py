@@ -24,6 +24,7 @@ from afd_connectors_npu.exchange import CAMConnector
 from afd_connectors_npu.ops import A2EMessage, CAMHandle, CAMOps, CAMOpsFactory, E2AMessage
 from afd_connectors_npu.routing import A2EMeta, E2AMeta
 from afd_core.config import AFDConfig, AFDRole, RoutingPayload
+from afd_core.connector import ConnectorCapabilities
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.transfer import AttentionToFFN, FFNToAttention, PayloadKind
 
@@ -36,6 +37,12 @@ class CAMAsyncAFDConnector(CAMConnector):
     """Asynchronous CAM connector: dispatch (non-blocking) and combine receive."""
 
     name: ClassVar[str] = "CAMAsyncAFDConnector"
+    capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities(
+        platforms=frozenset({"npu"}),
+        gate_placements=frozenset({"attention"}),
+        platform_runners=True,
+        shared_experts_on_attention=True,
+    )
 
     def __init__(
         self, config: AFDConfig, *, rank: int, ops_factory: CAMOpsFactory | None = None

@@ -18,6 +18,7 @@ from typing import ClassVar
 from afd_connectors_npu.exchange import CAMConnector
 from afd_connectors_npu.ops import A2EMessage, CAMOps, E2AMessage
 from afd_core.config import AFDConfig, RoutingPayload
+from afd_core.connector import ConnectorCapabilities
 from afd_core.errors import AFDConfigError
 from afd_core.transfer import AttentionToFFN
 
@@ -28,6 +29,12 @@ class CAMP2pAFDConnector(CAMConnector):
     """Synchronous CAM connector: A2E / E2A operators, one message each way per layer."""
 
     name: ClassVar[str] = "CAMP2pAFDConnector"
+    capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities(
+        platforms=frozenset({"npu"}),
+        platform_runners=True,
+        shared_experts_on_attention=True,
+        ffn_external_routing=True,
+    )
 
     def _check_config(self, config: AFDConfig) -> None:
         if config.routing_payload is not RoutingPayload.TOPK:

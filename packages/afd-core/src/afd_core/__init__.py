@@ -7,7 +7,7 @@ forward-context metadata, weight-role classification; the testing kit lives in
 
 from afd_core._version import __version__
 from afd_core.config import ADDITIONAL_CONFIG_KEY, AFDConfig, AFDRole, RoutingPayload
-from afd_core.connector import AFDConnector, FFNBatch
+from afd_core.connector import AFDConnector, ConnectorCapabilities, FFNBatch
 from afd_core.errors import (
     AFDAdmissionError,
     AFDConfigError,
@@ -56,6 +56,7 @@ __all__ = [
     "AFDTopology",
     # wire contracts and connectors
     "AttentionToFFN",
+    "ConnectorCapabilities",
     "FFNToAttention",
     "PayloadKind",
     "TensorLike",

@@ -30,7 +30,39 @@ from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.topology import AFDTopology
 from afd_core.transfer import AttentionToFFN, FFNToAttention, TransferHeader
 
-__all__ = ["AFDConnector", "FFNBatch"]
+__all__ = ["AFDConnector", "ConnectorCapabilities", "FFNBatch"]
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorCapabilities:
+    """What a connector class supports and needs, declared by the class
+    (:attr:`AFDConnector.capabilities`) and read through the registry, so the runner and
+    model layers never decide by a connector's name.
+    """
+
+    platforms: frozenset[str] | None = None
+    """vLLM device types (``"cpu"``, ``"cuda"``, ``"npu"``...) whose Attention-role
+    runners work with it; None: every platform (in-process test connectors)."""
+    gate_placements: frozenset[str] = frozenset({"attention", "ffn"})
+    """Where the MoE gate may run: ``"attention"`` (``compute_gate_on_attention``) and/or
+    ``"ffn"``."""
+    platform_runners: bool = False
+    """The Attention role uses the platform's own MoE runners (vLLM-Ascend's on
+    ``"npu"``) instead of afd's generic ones."""
+    shared_experts_on_attention: bool = False
+    """With the gate on Attention, the Attention role runs the shared experts (on the
+    platform's runners) and the FFN role the routed experts alone."""
+    ffn_external_routing: bool = False
+    """With the gate on Attention, the FFN role routes the received top-k through the
+    platform's communication framework (``platform_runners`` platforms only)."""
+    same_host_only: bool = False
+    """Every rank must run on one host (shared memory)."""
+
+    def supports_platform(self, platform: str) -> bool:
+        return self.platforms is None or platform in self.platforms
+
+    def describe_platforms(self) -> str:
+        return "every platform" if self.platforms is None else ", ".join(sorted(self.platforms))
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +128,9 @@ class AFDConnector(abc.ABC):
 
     #: Registry name, e.g. ``"P2pGlooAFDConnector"``.
     name: ClassVar[str] = ""
+
+    #: What the class supports (platforms, gate placements, where shared experts run...).
+    capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities()
 
     #: This rank's deployment fingerprint (:mod:`afd_core.identity`), set by
     #: :func:`~afd_core.registry.create_connector` before :meth:`init`; a connector with

@@ -4,25 +4,30 @@ A model wrapper asks :func:`afd_runner_kwargs` for the extra ``FusedMoEFactory``
 arguments of its role and passes them with the model's usual ones; or it calls
 :func:`build_afd_moe` / :func:`afd_moe_factory` (a drop-in for ``FusedMoEFactory``).
 
-=========  ========  ========================  ============================================
-role       platform  compute_gate_on_attention factory kwargs
-=========  ========  ========================  ============================================
-ffn        any       either                    none: the platform's native runner, experts
-attention  cpu/cuda  false (gate on FFN)       RemoteExpertsRunner + RemoteRoutedExperts
-attention  cpu/cuda  true  (gate on Attention) ExternalRoutingRunner + RemoteRoutedExperts
-attention  npu       false (CAMP2p only)       AFDNPURemoteExpertsRunner + remote experts
-attention  npu       true  (CAMP2p, CAMAsync)  AFDNPUAttentionGateRunner + remote experts
-=========  ========  ========================  ============================================
+The connector decides through the capabilities its class declares
+(:class:`afd_core.connector.ConnectorCapabilities`, read through the registry), never
+by its name:
 
-Shared experts (:func:`shared_experts_on_attention`): on cpu/cuda the FFN role always
-computes them (with the gate on Attention it returns their output separately); on
-npu with the gate on Attention they run on the Attention role, between send and
-receive, and the FFN role computes routed experts only.
+=========  =====================================  =========================================
+role       connector capabilities                 factory kwargs
+=========  =====================================  =========================================
+ffn        any                                    none: the platform's native runner, experts
+attention  generic runners, gate on FFN           RemoteExpertsRunner + RemoteRoutedExperts
+attention  generic runners, gate on Attention     ExternalRoutingRunner + RemoteRoutedExperts
+attention  ``platform_runners`` on npu, gate FFN  AFDNPURemoteExpertsRunner + remote experts
+attention  ``platform_runners`` on npu, gate Att  AFDNPUAttentionGateRunner + remote experts
+=========  =====================================  =========================================
 
-The Attention-role runners are accepted only on the (platform, connector) pairs in
-:data:`SUPPORTED_CONNECTORS`; per-layer features they cannot honour (Attention-side
-EPLB, redundant experts, routed-expert capture, a non-finite routed scaling
-factor...) are rejected when the layer is built, by the runner classes themselves.
+Shared experts (:func:`shared_experts_on_attention`): the FFN role computes them (with
+the gate on Attention it returns their output separately), except with a connector
+declaring ``shared_experts_on_attention`` on its platform's runners with the gate on
+Attention (Ascend's CAM connectors): they then run on the Attention role, between send
+and receive, and the FFN role computes routed experts only.
+
+A connector is accepted on the platforms and gate placements it declares; per-layer
+features the runners cannot honour (Attention-side EPLB, redundant experts,
+routed-expert capture, a non-finite routed scaling factor...) are rejected when the
+layer is built, by the runner classes themselves.
 """
 
 from __future__ import annotations
@@ -32,38 +37,22 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from afd_core.config import AFDConfig, AFDRole, RoutingPayload
+from afd_core.connector import ConnectorCapabilities
 from afd_core.errors import AFDConfigError
+from afd_core.registry import get_connector_class
 
 if TYPE_CHECKING:
     from afd_moe_runners.exchange import MicroBatchYield
 
 __all__ = [
-    "SUPPORTED_CONNECTORS",
-    "ANY_PLATFORM_CONNECTORS",
+    "capabilities",
     "afd_runner_kwargs",
     "build_afd_moe",
     "afd_moe_factory",
     "current_platform_name",
     "shared_experts_on_attention",
     "ffn_external_routing",
-    "NPU_SYNC_CONNECTOR",
-    "NPU_ASYNC_CONNECTOR",
 ]
-
-NPU_SYNC_CONNECTOR = "CAMP2pAFDConnector"
-"""Ascend, synchronous: either gate placement."""
-NPU_ASYNC_CONNECTOR = "CAMAsyncAFDConnector"
-"""Ascend, async dispatch/combine: gate on Attention only."""
-
-SUPPORTED_CONNECTORS: Mapping[str, frozenset[str]] = {
-    "cpu": frozenset({"P2pGlooAFDConnector", "P2pShmAFDConnector"}),
-    "cuda": frozenset({"P2pNcclAFDConnector"}),
-    "npu": frozenset({NPU_SYNC_CONNECTOR, NPU_ASYNC_CONNECTOR}),
-}
-"""Platform (vLLM ``device_type``) -> connectors the Attention-role runners work with."""
-
-ANY_PLATFORM_CONNECTORS = frozenset({"LoopbackAFDConnector"})
-"""In-process connectors (afd_core.testing) accepted on every platform."""
 
 _FACTORY_KWARGS = ("runner_cls", "runner_args", "routed_experts_cls", "routed_experts_args")
 
@@ -75,24 +64,36 @@ def current_platform_name() -> str:
     return str(current_platform.device_type)
 
 
-def _check_supported(platform: str, connector: str) -> None:
-    if connector in ANY_PLATFORM_CONNECTORS:
-        return
-    supported = SUPPORTED_CONNECTORS.get(platform)
-    if supported is None:
+def capabilities(afd_config: AFDConfig) -> ConnectorCapabilities:
+    """What ``afd.connector`` declares it supports (read through the registry)."""
+    return get_connector_class(afd_config.connector).capabilities
+
+
+def _check_supported(platform: str, afd_config: AFDConfig) -> None:
+    caps = capabilities(afd_config)
+    if not caps.supports_platform(platform):
         raise AFDConfigError(
-            f"AFD MoE runners: platform {platform!r} is not supported; supported platforms: "
-            f"{sorted(SUPPORTED_CONNECTORS)}"
-        )
-    if connector not in supported:
-        raise AFDConfigError(
-            f"AFD MoE runners: connector {connector!r} is not supported on platform "
-            f"{platform!r}; set additional_config.afd.connector to one of {sorted(supported)}"
+            f"AFD MoE runners: connector {afd_config.connector!r} is not supported on "
+            f"platform {platform!r} (it supports {caps.describe_platforms()}); set "
+            "additional_config.afd.connector to a connector for this platform"
         )
 
 
-def _uses_npu_runners(platform: str, connector: str) -> bool:
-    return platform == "npu" and connector in SUPPORTED_CONNECTORS["npu"]
+def _check_gate(afd_config: AFDConfig) -> None:
+    caps = capabilities(afd_config)
+    gate = "attention" if afd_config.compute_gate_on_attention else "ffn"
+    if gate not in caps.gate_placements:
+        raise AFDConfigError(
+            f"AFD MoE runners: connector {afd_config.connector!r} does not support the gate "
+            f"on {gate} (afd.compute_gate_on_attention="
+            f"{str(afd_config.compute_gate_on_attention).lower()}); it supports the gate on "
+            f"{' or '.join(sorted(caps.gate_placements))}"
+        )
+
+
+def _uses_platform_runners(platform: str, afd_config: AFDConfig) -> bool:
+    # The platform's own runners exist on Ascend only (vLLM-Ascend).
+    return platform == "npu" and capabilities(afd_config).platform_runners
 
 
 def shared_experts_on_attention(afd_config: AFDConfig, *, platform: str | None = None) -> bool:
@@ -105,7 +106,9 @@ def shared_experts_on_attention(afd_config: AFDConfig, *, platform: str | None =
     if not afd_config.compute_gate_on_attention:
         return False
     platform = platform if platform is not None else current_platform_name()
-    return _uses_npu_runners(platform, afd_config.connector)
+    return _uses_platform_runners(platform, afd_config) and (
+        capabilities(afd_config).shared_experts_on_attention
+    )
 
 
 def ffn_external_routing(
@@ -118,10 +121,10 @@ def ffn_external_routing(
     (:func:`afd_moe_runners.npu.ascend.ascend_external_routing_layers`). ``layers`` maps
     layer index -> FFN block, as given to ``FFNLayerCompute``.
     """
-    if not (afd_config.compute_gate_on_attention and afd_config.connector == NPU_SYNC_CONNECTOR):
+    if not (afd_config.compute_gate_on_attention and capabilities(afd_config).ffn_external_routing):
         return None
     platform = platform if platform is not None else current_platform_name()
-    if platform != "npu":
+    if not _uses_platform_runners(platform, afd_config):
         return None
     from afd_moe_runners.ffn_compute import find_moe_runner
     from afd_moe_runners.npu.ascend import ascend_external_routing_layers
@@ -170,17 +173,17 @@ def afd_runner_kwargs(
     if role is AFDRole.FFN:
         return {}
     platform = platform if platform is not None else current_platform_name()
-    _check_supported(platform, afd_config.connector)
-    if _uses_npu_runners(platform, afd_config.connector):
+    _check_supported(platform, afd_config)
+    if _uses_platform_runners(platform, afd_config):
         # vLLM-Ascend builds the model (no afd wrapper ran check_supported_parallelism):
         # the connector's start-up check runs here, at the first MoE layer.
         from vllm.config import get_current_vllm_config
 
-        from afd_core.registry import get_connector_class
-
         connector_cls = get_connector_class(afd_config.connector)
         connector_cls.check_deployment(afd_config, get_current_vllm_config(), platform=platform)
+        _check_gate(afd_config)
         return _npu_runner_kwargs(afd_config, micro_batch_yield)
+    _check_gate(afd_config)
 
     from afd_moe_runners.remote_experts import RemoteRoutedExperts
 

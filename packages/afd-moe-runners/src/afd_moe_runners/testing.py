@@ -211,19 +211,20 @@ class MoEEnv:
     def connector_pair(self) -> tuple[Any, Any]:
         """An initialised loopback (Attention, FFN) connector pair on a fresh address."""
         from afd_core.config import AFDConfig, AFDRole
-        from afd_core.testing.loopback import LoopbackAFDConnector
+        from afd_core.testing.loopback import register_loopback
 
+        loopback = register_loopback()  # afd-core's in-process test double
         port = next(self._ports)
         pair = []
         for role in (AFDRole.ATTENTION, AFDRole.FFN):
             config = AFDConfig(
                 role=role,
-                connector="LoopbackAFDConnector",
+                connector=loopback.name,
                 host="afd-moe-tests",
                 port=port,
                 transfer_timeout_s=60.0,
             )
-            connector = LoopbackAFDConnector(config, rank=0)
+            connector = loopback(config, rank=0)
             connector.init()
             pair.append(connector)
         return pair[0], pair[1]

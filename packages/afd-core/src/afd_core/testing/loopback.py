@@ -31,7 +31,7 @@ from afd_core.errors import (
     AFDTimeoutError,
     AFDTransferMismatchError,
 )
-from afd_core.registry import get_connector_class
+from afd_core.registry import get_connector_class, register_connector
 from afd_core.topology import AFDTopology
 from afd_core.transfer import AttentionToFFN, FFNToAttention, PayloadKind, TransferHeader
 
@@ -372,3 +372,14 @@ class LoopbackHarness:
             run_timeout_s=self.run_timeout_s,
             barrier_after_init=True,
         )
+
+
+def register_loopback() -> type[LoopbackAFDConnector]:
+    """Register :class:`LoopbackAFDConnector` under its name in this process; returns it.
+
+    The test double is not an installed connector (no ``afd.connectors`` entry point, so
+    a deployment cannot select it by accident); tests that select it by name call this.
+    Registering again does nothing.
+    """
+    register_connector(LoopbackAFDConnector.name, LoopbackAFDConnector)
+    return LoopbackAFDConnector
