@@ -161,10 +161,15 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
     """
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return
+            with socket.create_connection((host, port), timeout=1.0) as sock:
+                # On loopback a connect to a port nobody listens on can pick that very
+                # port as its source and connect to itself (TCP simultaneous open),
+                # holding the port attention rank 0 is about to bind: not a listener.
+                if sock.getsockname() != sock.getpeername():
+                    return
         except OSError:
-            time.sleep(0.05)
+            pass
+        time.sleep(0.05)
 
 
 def join_store(
