@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from afd_connectors_gpu.rendezvous import join_store
-from afd_connectors_gpu.testing import free_port
+from afd_connectors_gpu.testing import free_port, rank_config
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDAdmissionError, AFDFingerprintMismatchError
 from afd_core.topology import AFDTopology
@@ -28,16 +28,8 @@ IDENTITY = {"architecture": "AFDQwen3MoeForCausalLM", "dtype": "bfloat16", "chec
 
 
 def _config(port: int, g: int, topology: AFDTopology, **values: Any) -> AFDConfig:
-    role, rank = topology.role_rank_of(g)
-    return AFDConfig(
-        role=role,
-        port=port,
-        num_attention_ranks=topology.num_attention_ranks,
-        num_ffn_ranks=topology.num_ffn_ranks,
-        rank=rank,
-        connect_timeout_s=10.0,
-        **values,
-    )
+    config: AFDConfig = rank_config(topology, g, port=port, connect_timeout_s=10.0, **values)
+    return config
 
 
 def _join(

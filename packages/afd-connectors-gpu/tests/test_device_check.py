@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 
 from afd_connectors_gpu.rendezvous import check_distinct_devices, join_store
-from afd_connectors_gpu.testing import free_port
-from afd_core.config import AFDConfig
+from afd_connectors_gpu.testing import free_port, rank_config
 from afd_core.errors import AFDConfigError
 from afd_core.topology import AFDTopology
 
@@ -32,15 +31,7 @@ def _join_all(topology: AFDTopology, devices: list[str | None]) -> list[Any]:
 
     def rank(g: int) -> None:
         try:
-            role, own = topology.role_rank_of(g)
-            config = AFDConfig(
-                role=role,
-                port=port,
-                num_attention_ranks=topology.num_attention_ranks,
-                num_ffn_ranks=topology.num_ffn_ranks,
-                rank=own,
-                connect_timeout_s=20.0,
-            )
+            config = rank_config(topology, g, port=port, connect_timeout_s=20.0)
             stores = join_store(
                 config=config, global_rank=g, label=f"rank {g}", device_identity=devices[g]
             )

@@ -31,10 +31,25 @@ from afd_core.config import AFDRole
 from afd_core.errors import AFDPeerLostError, AFDTimeoutError
 from afd_core.topology import AFDTopology
 
-__all__ = ["ProcessHarness", "free_port"]
+__all__ = ["ProcessHarness", "free_port", "rank_config"]
 
 RankBody = Callable[[Any, Any], Any]
 """``body(connector, RankContext) -> picklable``; must be a module-level function."""
+
+
+def rank_config(topology: AFDTopology, global_rank: int, **values: Any) -> Any:
+    """The :class:`~afd_core.config.AFDConfig` of ``global_rank`` in ``topology`` (role,
+    rank and rank counts filled in; ``values`` for the rest)."""
+    from afd_core.config import AFDConfig
+
+    role, rank = topology.role_rank_of(global_rank)
+    return AFDConfig(
+        role=role,
+        num_attention_ranks=topology.num_attention_ranks,
+        num_ffn_ranks=topology.num_ffn_ranks,
+        rank=rank,
+        **values,
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
