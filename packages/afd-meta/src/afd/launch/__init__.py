@@ -69,9 +69,7 @@ from afd.launch.cpus import (
     split_cpus,
     usable_cpus,
 )
-from afd.launch.deployment import (
-    Deployment,
-)
+from afd.launch.deployment import Deployment
 from afd.launch.devices import (
     CUDA_VISIBLE_DEVICES,
     assign_devices,
