@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from afd.ffn_server import READY_MARKER
 from afd_core.procfs import group_members
 
-READY_MARKER = "AFD FFN server ready"
 ENGINE_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.1"]
 
 

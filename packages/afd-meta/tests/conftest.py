@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from afd.ffn_server import READY_MARKER
 from afd.launch import RoleProcess
 
 _SERVE_HEALTH = (
@@ -32,9 +33,7 @@ def healthy_role(tmp_path: Path) -> Callable[..., RoleProcess]:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         code = (
-            prelude
-            + "\nprint('AFD FFN server ready', flush=True)\n"
-            + _SERVE_HEALTH.format(port=port)
+            prelude + f"\nprint({READY_MARKER!r}, flush=True)\n" + _SERVE_HEALTH.format(port=port)
         )
         return RoleProcess(
             "ffn0",

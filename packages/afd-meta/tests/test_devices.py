@@ -144,21 +144,21 @@ def _fake_nvidia_smi(bin_dir: Path, body: str) -> None:
 def test_detection_runs_nvidia_smi_from_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from afd import launch
+    from afd.launch import devices
 
     # The launcher runs nvidia-smi once per process and executable; a test that rewrites
     # the fake executable forgets the cached answer.
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
-    launch._nvidia_smi_output.cache_clear()
+    devices._nvidia_smi_output.cache_clear()
     assert detect_cuda_devices({}) == []  # no nvidia-smi: a CPU host
     _fake_nvidia_smi(
         tmp_path / "bin", "printf 'GPU 0: A (UUID: GPU-1)\\nGPU 1: A (UUID: GPU-2)\\n'"
     )
-    launch._nvidia_smi_output.cache_clear()
+    devices._nvidia_smi_output.cache_clear()
     assert detect_cuda_devices({}) == ["0", "1"]
     assert detect_cuda_devices({}) == ["0", "1"]  # cached
     _fake_nvidia_smi(tmp_path / "bin", "echo 'NVIDIA-SMI has failed'; exit 9")
-    launch._nvidia_smi_output.cache_clear()
+    devices._nvidia_smi_output.cache_clear()
     assert detect_cuda_devices({}) == []
 
 

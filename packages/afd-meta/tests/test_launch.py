@@ -6,6 +6,7 @@ import argparse
 import io
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -66,6 +67,7 @@ def test_defaults_are_tiny_cpu_friendly() -> None:
         ({"env": {"A": True}}, r"env.A: expected a string"),
         ({"afd": {"port": 1}}, r"afd.port: set by the launcher; use the spec field connector_port"),
         ({"afd": {"rank": 1}}, r"afd.rank: set by the launcher"),
+        ({"afd": {"afd_port": 1}}, r"afd.afd_port: set by the launcher; use .*connector_port"),
         ({"afd": {"routing_payload": "bogus"}}, r"afd.routing_payload: expected one of"),
         ({"afd": {"conect_timeout_s": 1}}, r"conect_timeout_s"),
         ({"native": True, "num_attention": 2, "num_ffn": 1}, r"native: a native baseline"),
@@ -153,6 +155,19 @@ def test_toml_errors_name_the_file(tmp_path: Path) -> None:
         DeploymentSpec.from_toml(bad)
     with pytest.raises(SpecError, match=r"no such spec file"):
         DeploymentSpec.from_toml(tmp_path / "missing.toml")
+
+
+def test_spec_file_errors_are_the_same_from_the_cli(tmp_path: Path) -> None:
+    # One loader (afd.launch.spec.load_toml) for DeploymentSpec.from_toml and afd launch.
+    bad = tmp_path / "bad.toml"
+    bad.write_text("model = \n")
+    with pytest.raises(SpecError, match=r"bad.toml: not valid TOML"):
+        spec_from_args(_launch_args([str(bad)]))
+    with pytest.raises(SpecError, match=r"missing.toml: no such spec file"):
+        spec_from_args(_launch_args([str(tmp_path / "missing.toml")]))
+    bad.write_text('model = "/m"\nnum_ffn = 0\n')
+    with pytest.raises(SpecError, match=rf"^{re.escape(str(bad))}: num_ffn: expected"):
+        spec_from_args(_launch_args([str(bad)]))
 
 
 def test_hub_names_are_not_resolved_as_paths(tmp_path: Path) -> None:
@@ -271,6 +286,24 @@ def _fake_role(tmp_path: Path, code: str, name: str = "ffn0", role: str = "ffn")
         {"PYTHONUNBUFFERED": "1"},
         tmp_path / "logs" / f"{name}.log",
     )
+
+
+def test_each_role_kind_has_its_readiness() -> None:
+    from afd.ffn_server import READY_MARKER
+    from afd.launch.readiness import NATIVE, readiness_of
+    from afd_core.roles import AFDRole
+
+    ffn, attn, native = readiness_of(AFDRole.FFN), readiness_of("attention"), readiness_of(NATIVE)
+    assert (ffn.role, attn.role, native.role) == (AFDRole.FFN, AFDRole.ATTENTION, None)
+    assert ffn.marker == READY_MARKER and attn.marker is None  # one marker, the server's
+    assert ffn.health_url("http://h:1") == "http://h:1/health"
+    assert ffn.endpoint_lines("ffn0", "http://h:1") == [
+        "  http://h:1/health, http://h:1/metrics  (ffn0)"
+    ]
+    assert attn.endpoint_lines("attn", "http://h:2") == []
+    assert RoleProcess("attn", "attention", 0, [], {}, Path("x")).role is AFDRole.ATTENTION
+    with pytest.raises(ValueError, match="unknown role 'gate'"):
+        readiness_of("gate")
 
 
 def test_role_output_is_prefixed_and_logged(tmp_path: Path) -> None:

@@ -1,0 +1,147 @@
+"""``afd launch``: start a whole AFD deployment (FFN + Attention servers) on one machine.
+
+A :class:`DeploymentSpec` says what to run (checkpoint, ``num_attention`` x
+``num_ffn`` servers, gate placement, dtype, KV cache, extra vLLM args, ports, env,
+log directory). It is built from keyword arguments, from the ``afd launch`` flags
+or from a small TOML file (:meth:`DeploymentSpec.from_toml`)::
+
+    model = "~/.cache/afd/tiny-deepseek_v2"
+    num_attention = 2
+    num_ffn = 1
+    [afd]
+    connect_timeout_s = 120
+
+A :class:`Deployment` (a context manager) starts the FFN server(s), then the
+Attention server(s), each as ``python -m afd.cli serve --role ...`` in its own
+process group with a per-deployment ``TMPDIR``; it streams every role's output with
+a prefix (``[ffn0] ``, ``[attn] ``) to the console and to ``<log_dir>/<role>.log``,
+waits until every role's ``/health`` answers 200 (:mod:`afd.launch.readiness`), and
+tears everything down (SIGTERM to every process group, SIGKILL after a grace
+period, then a check that no process of the groups is left). A role that exits
+during start-up raises :class:`DeploymentError` with its last log lines.
+
+``DeploymentSpec(native=True)`` runs one plain vLLM OpenAI API server with the same
+engine arguments instead: the baseline for ``afd demo`` and ``afd bench``.
+
+Devices: on a host with visible CUDA devices ``[g0, g1, ...]`` (``CUDA_VISIBLE_DEVICES``,
+else ``nvidia-smi -L``; nothing is imported for it) every role process gets its own:
+the attention server (its DP ranks) ``g0..g(A-1)``, FFN rank ``f`` ``g(A+f)``, the native
+baseline ``g0`` (:func:`assign_devices`). Per role, ``devices`` in ``[attention]`` /
+``[ffn]`` or ``CUDA_VISIBLE_DEVICES`` in the role's ``env`` overrides it. See docs/gpu.md.
+
+Same-host defaults: every role runs on this host, so the AFD connector defaults to the
+shared-memory ``P2pShmAFDConnector`` (:data:`DEFAULT_CONNECTOR`; on a host with CUDA
+devices the NCCL connector; ``[afd] connector`` overrides it). On a CPU host (no CUDA
+device detected) each role process gets its own cores through
+``VLLM_CPU_OMP_THREADS_BIND`` (:func:`split_cpus`: the attention server
+the first half of the usable CPUs, rounded up, the FFN ranks one block each of the
+rest; the native baseline all of them). Per role, ``cpus`` in ``[attention]`` /
+``[ffn]`` or ``VLLM_CPU_OMP_THREADS_BIND`` in the role's ``env`` overrides it;
+``VLLM_CPU_OMP_THREADS_BIND`` in the spec's top-level ``env`` or the launcher's
+environment turns the automatic split off. See docs/cli.md.
+
+The parts, one module each: :mod:`~afd.launch.spec` (the spec, its TOML loader and
+validation; :mod:`~afd.launch.checks` the checks of single values),
+:mod:`~afd.launch.ports` (port allocation), :mod:`~afd.launch.devices` and
+:mod:`~afd.launch.cpus` (CUDA devices / CPUs per role; :mod:`~afd.launch.placement`
+plans them for a spec), :mod:`~afd.launch.commands` (the role processes' commands),
+:mod:`~afd.launch.processes` (starting, watching and stopping a role process),
+:mod:`~afd.launch.readiness` (when a role is ready), :mod:`~afd.launch.deployment`
+(the orchestration) and :mod:`~afd.launch.cli` (``afd launch``).
+"""
+
+from __future__ import annotations
+
+from afd.launch.cli import (
+    add_cpu_arguments,
+    add_launch_arguments,
+    forward_signals,
+    run_launch,
+    spec_from_args,
+)
+from afd.launch.cpus import (
+    CPU_BIND,
+    assign_cpus,
+    bind_affinity,
+    format_cpu_list,
+    omp_bind_env,
+    parse_cpu_list,
+    split_cpus,
+    usable_cpus,
+)
+from afd.launch.deployment import Deployment
+from afd.launch.devices import (
+    CUDA_VISIBLE_DEVICES,
+    assign_devices,
+    detect_cuda_devices,
+    parse_nvidia_smi_list,
+    parse_visible_devices,
+)
+from afd.launch.errors import (
+    DeploymentError,
+    SpecError,
+)
+from afd.launch.ports import (
+    allocate_health_ports,
+    allocate_ports,
+)
+from afd.launch.processes import (
+    MAX_TMPDIR_LEN,
+    TAIL_LINES,
+    RoleProcess,
+    prefix_lines,
+    role_env,
+    role_tmp_dir,
+)
+from afd.launch.readiness import (
+    RoleReadiness,
+    readiness_of,
+)
+from afd.launch.spec import (
+    DEFAULT_CONNECTOR,
+    DEFAULT_CUDA_CONNECTOR,
+    DEFAULT_KV_CACHE_BYTES,
+    DeploymentSpec,
+    RoleOverrides,
+    load_toml,
+)
+
+__all__ = [
+    "CPU_BIND",
+    "CUDA_VISIBLE_DEVICES",
+    "DEFAULT_CONNECTOR",
+    "DEFAULT_CUDA_CONNECTOR",
+    "DEFAULT_KV_CACHE_BYTES",
+    "Deployment",
+    "DeploymentError",
+    "DeploymentSpec",
+    "MAX_TMPDIR_LEN",
+    "RoleOverrides",
+    "RoleProcess",
+    "RoleReadiness",
+    "SpecError",
+    "TAIL_LINES",
+    "add_cpu_arguments",
+    "add_launch_arguments",
+    "allocate_health_ports",
+    "allocate_ports",
+    "assign_cpus",
+    "assign_devices",
+    "bind_affinity",
+    "detect_cuda_devices",
+    "format_cpu_list",
+    "forward_signals",
+    "load_toml",
+    "omp_bind_env",
+    "parse_cpu_list",
+    "parse_nvidia_smi_list",
+    "parse_visible_devices",
+    "prefix_lines",
+    "readiness_of",
+    "role_env",
+    "role_tmp_dir",
+    "run_launch",
+    "spec_from_args",
+    "split_cpus",
+    "usable_cpus",
+]

@@ -1,0 +1,122 @@
+"""The role processes of a spec, not started yet: their commands, environments, log
+files and health URLs, FFN servers first, then the attention server (or the one native
+baseline server); and the admission token they share."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from afd.launch.processes import RoleProcess, role_env
+from afd.launch.readiness import NATIVE
+from afd.launch.spec import DeploymentSpec
+from afd_core.roles import AFDRole
+
+__all__ = ["Layout", "build_roles", "give_token"]
+
+
+@dataclass
+class Layout:
+    """Where the roles of one deployment run: ports, devices, CPUs, folders."""
+
+    http_port: int
+    connector_port: int
+    ffn_health_ports: Sequence[int]
+    devices: Mapping[str, str]
+    cpus: Mapping[str, str]
+    tmp_dir: Path
+    log_dir: Path
+
+    def env(self, spec: DeploymentSpec, role: AFDRole, name: str) -> dict[str, str]:
+        return role_env(spec, role, self.tmp_dir, self.devices.get(name), self.cpus.get(name))
+
+
+def build_roles(spec: DeploymentSpec, at: Layout) -> list[RoleProcess]:
+    """The role processes in start order: the FFN servers, then the attention server;
+    for a native spec the one plain vLLM server."""
+    if spec.native:
+        return [_native_role(spec, at)]
+    roles = [_ffn_role(spec, at, rank) for rank in range(spec.num_ffn)]
+    return [*roles, _attention_role(spec, at)]
+
+
+def _native_role(spec: DeploymentSpec, at: Layout) -> RoleProcess:
+    port = at.http_port
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
+        *spec.engine_args(), *spec.attention.vllm_args,
+        "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
+        "--host", spec.host, "--port", str(port),
+    ]  # fmt: skip
+    env = at.env(spec, AFDRole.ATTENTION, "native0")
+    url = f"http://{spec.host}:{port}"
+    return RoleProcess("native0", NATIVE, 0, cmd, env, at.log_dir / "native0.log", http_url=url)
+
+
+def _ffn_role(spec: DeploymentSpec, at: Layout, rank: int) -> RoleProcess:
+    afd = spec.afd_section(AFDRole.FFN, rank, port=at.connector_port)
+    health_port = at.ffn_health_ports[rank]
+    cmd = [
+        sys.executable, "-m", "afd.cli", "serve", "--role", AFDRole.FFN.value,
+        spec.ffn.model or spec.model,
+        *spec.engine_args(), *spec.ffn.vllm_args,
+        "--additional-config", json.dumps({"afd": afd}),
+        "--health-host", spec.host, "--health-port", str(health_port),
+    ]  # fmt: skip
+    return RoleProcess(
+        f"ffn{rank}",
+        AFDRole.FFN,
+        rank,
+        cmd,
+        at.env(spec, AFDRole.FFN, f"ffn{rank}"),
+        at.log_dir / f"ffn{rank}.log",
+        health_url=f"http://{spec.host}:{health_port}",
+    )
+
+
+def _attention_role(spec: DeploymentSpec, at: Layout) -> RoleProcess:
+    # All attention ranks are the data-parallel ranks of ONE vLLM server: vLLM keeps
+    # DP ranks in lock step (idle ranks run dummy batches), which the FFN fan-in
+    # needs; each rank's AFD rank is its DP rank. Independent servers would not step
+    # together, and an FFN rank would wait forever for an idle peer.
+    port = at.http_port
+    afd = spec.afd_section(AFDRole.ATTENTION, 0, port=at.connector_port)
+    del afd["rank"]
+    dp = ["--data-parallel-size", str(spec.num_attention)] if spec.num_attention > 1 else []
+    cmd = [
+        sys.executable, "-m", "afd.cli", "serve", "--role", AFDRole.ATTENTION.value,
+        spec.attention.model or spec.model,
+        *spec.engine_args(), *spec.attention.vllm_args, *dp,
+        "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
+        "--host", spec.host, "--port", str(port),
+        "--additional-config", json.dumps({"afd": afd}),
+    ]  # fmt: skip
+    return RoleProcess(
+        "attn",
+        AFDRole.ATTENTION,
+        0,
+        cmd,
+        at.env(spec, AFDRole.ATTENTION, "attn"),
+        at.log_dir / "attn.log",
+        http_url=f"http://{spec.host}:{port}",
+    )
+
+
+def give_token(spec: DeploymentSpec, roles: Sequence[RoleProcess]) -> str:
+    """Admission (docs/security.md): a fresh token per deployment, handed to every
+    role in its environment (``AFD_AUTH_TOKEN``: not in process lists), unless the
+    spec or the environment already chose one. Returns the line to print."""
+    from afd_core.admission import TOKEN_ENV, generate_token
+
+    given = [k for k in ("auth_token", "auth_token_file") if spec.afd.get(k)]
+    if given:
+        return f"admission: token from [afd] {given[0]}"
+    if all(role.env.get(TOKEN_ENV) for role in roles):
+        return f"admission: token from {TOKEN_ENV} in the environment"
+    token = generate_token()
+    for role in roles:
+        role.env[TOKEN_ENV] = token
+    return f"admission: a token generated for this deployment ({TOKEN_ENV} of each role)"
