@@ -268,6 +268,9 @@ def build(session: nox.Session) -> None:
             "--python",
             py,
             "--no-index",
+            # Third-party requirements (numpy, torch, vLLM per extra) are left out: this
+            # session checks the wheels' contents, not their resolution.
+            "--no-deps",
             *map(str, wheels),
             external=True,
         )
