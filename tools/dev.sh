@@ -26,7 +26,7 @@ if [ -z "${UV_FIND_LINKS:-}" ]; then
 fi
 
 case "${1:-test}" in
-    test) shift || true; uv lock --check; exec nox -s lint typecheck core-no-torch tests build install-smoke "$@" ;;
+    test) shift || true; uv lock --check; exec nox -s lint typecheck core-no-torch tests build install-each install-smoke "$@" ;;
     demo) shift; exec nox -s demo -- "$@" ;;
     *) exec nox "$@" ;;
 esac

@@ -550,7 +550,7 @@ def run_bench(args: Any) -> int:
             png = plot(report, out / "bench.png")
             say(f"wrote {png}")
         except ImportError:
-            say("matplotlib is not installed (dependency group 'bench'): no plot")
+            say("matplotlib is not installed (extra afd[plot]): no plot")
     say(f"total {report['total_s']:.0f} s")
     every = [*afd_runs.values(), *native_runs.values()]
     failed = any(lv["completed"] < lv["requests"] for m in every for lv in m.values())

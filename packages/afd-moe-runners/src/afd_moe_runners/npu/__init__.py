@@ -8,10 +8,7 @@ derive from vLLM-Ascend classes import ``vllm_ascend`` (inside their builders).
 * :mod:`~afd_moe_runners.npu.external_routing` -- the FFN-role external-routing flow
   (pure torch; runs on CPU);
 * :mod:`~afd_moe_runners.npu.ascend` -- its vLLM-Ascend prepare/finalize and comm
-  subclasses (Ascend hosts only);
-* :mod:`~afd_moe_runners.npu.expert_weights` -- the expert-weight contract of FFN-side
-  native compute (pure torch);
-* :mod:`~afd_moe_runners.npu.cam_layout` -- CAM TP/SP row layout helpers (pure torch).
+  subclasses (Ascend hosts only).
 """
 
 from __future__ import annotations
@@ -21,26 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from afd_moe_runners.npu.ascend import build_ascend_external_routing_moe
-    from afd_moe_runners.npu.cam_layout import (
-        CamLocalInputs,
-        CamTokenLayout,
-        RowGather,
-        pad_routing,
-        pad_rows,
-        prepare_cam_inputs,
-        process_group_row_gather,
-        restore_rows,
-        shard_rows,
-    )
-    from afd_moe_runners.npu.expert_weights import (
-        ExpertWeightsGeometry,
-        ExpertWeightsLayoutError,
-        QuantizedExpertWeights,
-        QuantScheme,
-        TensorLayout,
-        graph_signature,
-        validate_homogeneous_layers,
-    )
     from afd_moe_runners.npu.external_routing import (
         CommSlot,
         ExpertsApply,
@@ -74,22 +51,6 @@ _EXPORTS: dict[str, str] = {
     "AFDAllGatherCommImpl": "ascend",
     "AFDMC2CommImpl": "ascend",
     "build_ascend_external_routing_moe": "ascend",
-    "QuantizedExpertWeights": "expert_weights",
-    "QuantScheme": "expert_weights",
-    "ExpertWeightsGeometry": "expert_weights",
-    "ExpertWeightsLayoutError": "expert_weights",
-    "TensorLayout": "expert_weights",
-    "validate_homogeneous_layers": "expert_weights",
-    "graph_signature": "expert_weights",
-    "CamTokenLayout": "cam_layout",
-    "CamLocalInputs": "cam_layout",
-    "RowGather": "cam_layout",
-    "pad_rows": "cam_layout",
-    "shard_rows": "cam_layout",
-    "pad_routing": "cam_layout",
-    "prepare_cam_inputs": "cam_layout",
-    "restore_rows": "cam_layout",
-    "process_group_row_gather": "cam_layout",
 }
 
 __all__ = [
@@ -111,22 +72,6 @@ __all__ = [
     "AFDAllGatherCommImpl",
     "AFDMC2CommImpl",
     "build_ascend_external_routing_moe",
-    "QuantizedExpertWeights",
-    "QuantScheme",
-    "ExpertWeightsGeometry",
-    "ExpertWeightsLayoutError",
-    "TensorLayout",
-    "validate_homogeneous_layers",
-    "graph_signature",
-    "CamTokenLayout",
-    "CamLocalInputs",
-    "RowGather",
-    "pad_rows",
-    "shard_rows",
-    "pad_routing",
-    "prepare_cam_inputs",
-    "restore_rows",
-    "process_group_row_gather",
 ]
 assert set(__all__) == set(_EXPORTS)
 
