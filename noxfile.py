@@ -116,10 +116,21 @@ def pytest(session: nox.Session, *args: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Default CPU suite: unit, contract (real vLLM CPU) and end-to-end tests."""
+    """Default CPU suite: unit, contract (real vLLM CPU) and end-to-end tests; of each
+    large matrix its representative cases (the rest: ``tests-matrix``)."""
     sync(session, "--group", "test", "--group", "lint")
     # The 30 slowest tests end the report: where the suite's time goes (docs/development.md).
-    pytest(session, "packages", "tests", "-m", "not gpu and not npu", "--durations=30")
+    selection = "not gpu and not npu and not matrix"
+    pytest(session, "packages", "tests", "-m", selection, "--durations=30")
+
+
+@nox.session(name="tests-matrix")
+def tests_matrix(session: nox.Session) -> None:
+    """The rest of the end-to-end and conformance matrices (``@pytest.mark.matrix``):
+    every case of a matrix whose representative cases ``tests`` runs. CI runs it after
+    the default run (``.ci/run``); nothing here is skipped on CPU that ``tests`` runs."""
+    sync(session, "--group", "test")
+    pytest(session, "packages", "tests", "-m", "matrix and not gpu and not npu", "--durations=20")
 
 
 @nox.session(name="tests-gpu")

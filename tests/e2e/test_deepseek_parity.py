@@ -26,6 +26,9 @@ from afd_processes import (
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
+# Cases marked MATRIX run in `nox -s tests-matrix` (CI runs it after the default run).
+MATRIX = pytest.mark.matrix
+
 ALIASES = {"deepseek_v2": "AFDDeepseekV2ForCausalLM", "deepseek_v3": "AFDDeepseekV3ForCausalLM"}
 
 
@@ -84,11 +87,11 @@ def _install_third_party(site: Path) -> None:
     ("arch", "gate", "connector"),
     [
         ("deepseek_v2", "ffn", THIRD_PARTY),
-        ("deepseek_v2", "attention-topk", "P2pGlooAFDConnector"),
+        pytest.param("deepseek_v2", "attention-topk", "P2pGlooAFDConnector", marks=MATRIX),
         ("deepseek_v2", "ffn", "P2pShmAFDConnector"),
-        ("deepseek_v3", "ffn", "P2pGlooAFDConnector"),
+        pytest.param("deepseek_v3", "ffn", "P2pGlooAFDConnector", marks=MATRIX),
         ("deepseek_v3", "attention-topk", "P2pGlooAFDConnector"),
-        ("deepseek_v3", "attention-router_logits", "P2pGlooAFDConnector"),
+        pytest.param("deepseek_v3", "attention-router_logits", "P2pGlooAFDConnector", marks=MATRIX),
     ],
 )
 def test_1a1f_greedy_tokens_equal_native(

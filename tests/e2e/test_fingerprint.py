@@ -107,6 +107,7 @@ def test_ffn_on_other_weights(
     assert "architecture:" not in line and "dtype:" not in line, line
 
 
+@pytest.mark.matrix  # runs in `nox -s tests-matrix` (CI runs it too)
 def test_ffn_with_another_dtype(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     ffn, attention, took = _run_mismatch(
         tiny_models["deepseek_v3"],
@@ -119,6 +120,7 @@ def test_ffn_with_another_dtype(tiny_models: dict[str, Path], tmp_path: Path) ->
     )
 
 
+@pytest.mark.matrix  # runs in `nox -s tests-matrix` (CI runs it too)
 def test_ffn_with_other_routing_settings(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     ffn, attention, took = _run_mismatch(
         tiny_models["deepseek_v3"],

@@ -129,7 +129,9 @@ def _assert_split_and_overlap(profile: Path, m: int) -> None:
     assert overlapped >= pairs // 2, (pairs, overlapped)
 
 
-@pytest.mark.parametrize(("m", "gate"), [(2, "ffn"), (3, "attention-topk")])
+@pytest.mark.parametrize(
+    ("m", "gate"), [(2, "ffn"), pytest.param(3, "attention-topk", marks=pytest.mark.matrix)]
+)
 def test_qwen_micro_batched_tokens_equal_native_whole_batch(
     tiny_qwen_models: dict[str | None, Path],
     tmp_path: Path,
@@ -145,7 +147,9 @@ def test_qwen_micro_batched_tokens_equal_native_whole_batch(
     _assert_split_and_overlap(profile, m)
 
 
-@pytest.mark.parametrize(("m", "gate"), [(2, "attention-topk"), (3, "ffn")])
+@pytest.mark.parametrize(
+    ("m", "gate"), [(2, "attention-topk"), pytest.param(3, "ffn", marks=pytest.mark.matrix)]
+)
 def test_deepseek_micro_batched_tokens_equal_native_per_micro_batch(
     tiny_models: dict[str, Path],
     tmp_path: Path,
@@ -169,6 +173,7 @@ def test_deepseek_micro_batched_tokens_equal_native_per_micro_batch(
     _assert_split_and_overlap(profile, m)
 
 
+@pytest.mark.matrix
 def test_native_mla_depends_on_batch_composition(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -56,8 +56,21 @@ def native_tokens(
     return get
 
 
-@pytest.mark.parametrize("gate", ["ffn", "attention-topk"])
-@pytest.mark.parametrize("variant", [None, "no_norm_topk", "dense_layers"])
+# Cases marked MATRIX run in `nox -s tests-matrix` (CI runs it after the default run).
+MATRIX = pytest.mark.matrix
+
+
+@pytest.mark.parametrize(
+    ("variant", "gate"),
+    [
+        (None, "ffn"),
+        pytest.param(None, "attention-topk", marks=MATRIX),
+        pytest.param("no_norm_topk", "ffn", marks=MATRIX),
+        ("no_norm_topk", "attention-topk"),
+        pytest.param("dense_layers", "ffn", marks=MATRIX),
+        ("dense_layers", "attention-topk"),
+    ],
+)
 def test_1a1f_greedy_tokens_equal_native(
     tiny_qwen_models: dict[str | None, Path],
     native_tokens: Any,
@@ -100,7 +113,10 @@ def native_served(
     return get
 
 
-@pytest.mark.parametrize(("variant", "gate"), [(None, "ffn"), ("dense_layers", "attention-topk")])
+@pytest.mark.parametrize(
+    ("variant", "gate"),
+    [(None, "ffn"), pytest.param("dense_layers", "attention-topk", marks=MATRIX)],
+)
 def test_2a1f_served_tokens_equal_native(
     tiny_qwen_models: dict[str | None, Path],
     native_served: Any,

@@ -42,8 +42,22 @@ CONNECTORS: dict[str, tuple[str, dict[str, Any], tuple[Any, ...]]] = {
 # connector id -> topology labels it runs on (default: every topology of the suite)
 TOPOLOGY_FILTER = {"gloo-pool": {"2A1F", "3A2F"}}
 
+# connector id -> topologies of the default run; the others run in `nox -s tests-matrix`
+# (CI runs both). 2A1F (fan-in, per-peer split) for every CPU connector, and 1A1F for the
+# shared-memory connector that same-host deployments use by default.
+DEFAULT_TOPOLOGIES = {"gloo": {"2A1F"}, "gloo-pool": {"2A1F"}, "shm": {"1A1F", "2A1F"}}
+
+
+def _marks(connector: str, topology: str) -> tuple[Any, ...]:
+    marks = CONNECTORS[connector][2]
+    default = DEFAULT_TOPOLOGIES.get(connector)
+    if default is not None and topology not in default:
+        marks = (*marks, pytest.mark.matrix)
+    return marks
+
+
 CASES = [
-    pytest.param(c, s, t, id=f"{c}-{s.name}-{t.label}", marks=CONNECTORS[c][2])
+    pytest.param(c, s, t, id=f"{c}-{s.name}-{t.label}", marks=_marks(c, t.label))
     for c in CONNECTORS
     for t in conformance.TOPOLOGIES
     if t.label in TOPOLOGY_FILTER.get(c, {t.label})

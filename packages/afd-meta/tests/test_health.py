@@ -201,6 +201,7 @@ def test_status_server_serves_while_another_thread_holds_the_gil_briefly() -> No
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.matrix  # runs in `nox -s tests-matrix` (CI runs it too)
 def test_a_busy_health_port_stops_the_ffn_server_with_one_line(tmp_path: Path) -> None:
     import importlib.util
     import socket

@@ -242,6 +242,7 @@ def _run_reference(model: Path, out: Path, tmpdir: Path) -> dict[str, Any]:
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.matrix  # runs in `nox -s tests-matrix` (CI runs it too)
 def test_native_greedy_deepseek_v2_deterministic(
     ckpts: dict[tuple[str, str | None], Path], tmp_path: Path
 ) -> None:
