@@ -11,6 +11,10 @@ bytes handed A -> F -> A through torch shared-memory tensors with a spin-wait fl
 oversubscribed host does not starve the peer): what any same-host transport must pay
 at least. Prints a table of medians and the ratio connector/floor per connector, the
 machine and the load average before and after the run.
+
+Where the host has two or more usable CPUs, the attention process runs on the first
+and the FFN process on the second (floor and connectors alike), as ``afd launch``
+places the roles; ``--no-pin`` leaves placement to the scheduler.
 """
 
 from __future__ import annotations
@@ -34,7 +38,15 @@ def _configs() -> list[tuple[int, int]]:
 
 
 # -- connector round trip ------------------------------------------------------------
-def _connector_rank(role: str, connector: str, port: int, iters: int, out: Any) -> None:
+def _pin(cpu: int | None) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+
+
+def _connector_rank(
+    role: str, connector: str, port: int, iters: int, cpu: int | None, out: Any
+) -> None:
+    _pin(cpu)
     import torch
 
     from afd_core.config import AFDConfig
@@ -71,7 +83,10 @@ def _connector_rank(role: str, connector: str, port: int, iters: int, out: Any) 
 
 
 # -- shared-memory floor ----------------------------------------------------------------
-def _floor_rank(role: str, a2f: Any, f2a: Any, flags: Any, iters: int, out: Any) -> None:
+def _floor_rank(
+    role: str, a2f: Any, f2a: Any, flags: Any, iters: int, cpu: int | None, out: Any
+) -> None:
+    _pin(cpu)
     import torch
 
     torch.set_num_threads(1)
@@ -107,11 +122,13 @@ def _floor_rank(role: str, a2f: Any, f2a: Any, flags: Any, iters: int, out: Any)
         out.put(timings)
 
 
-def _run_pair(ctx: Any, target: Any, args_a: tuple[Any, ...], args_f: tuple[Any, ...]) -> Any:
+def _run_pair(
+    ctx: Any, target: Any, args: tuple[Any, ...], cpus: tuple[int | None, int | None]
+) -> Any:
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=target, args=("attention", *args_a, out)),
-        ctx.Process(target=target, args=("ffn", *args_f, out)),
+        ctx.Process(target=target, args=("attention", *args, cpus[0], out)),
+        ctx.Process(target=target, args=("ffn", *args, cpus[1], out)),
     ]
     for p in procs:
         p.start()
@@ -161,8 +178,15 @@ def main() -> None:
         action="append",
         help="connector name(s) to measure (default: P2pGlooAFDConnector, P2pShmAFDConnector)",
     )
+    parser.add_argument(
+        "--no-pin", action="store_true", help="do not give the two processes a CPU each"
+    )
     args = parser.parse_args()
     connectors = args.connector or list(DEFAULT_CONNECTORS)
+    usable = sorted(os.sched_getaffinity(0))
+    cpus: tuple[int | None, int | None] = (None, None)
+    if not args.no_pin and len(usable) >= 2:
+        cpus = (usable[0], usable[1])
     load_before = _loadavg()
 
     import torch
@@ -175,22 +199,21 @@ def main() -> None:
     a2f = torch.zeros(size, dtype=torch.bfloat16).share_memory_()
     f2a = torch.zeros(size, dtype=torch.bfloat16).share_memory_()
     flags = torch.zeros(2, dtype=torch.int64).share_memory_()
-    shared = (a2f, f2a, flags, args.iters)
-    floor = _run_pair(ctx, _floor_rank, shared, shared)
+    floor = _run_pair(ctx, _floor_rank, (a2f, f2a, flags, args.iters), cpus)
     measured = {}
     for name in connectors:
         port = free_port()
-        measured[name] = _run_pair(
-            ctx, _connector_rank, (name, port, args.iters), (name, port, args.iters)
-        )
+        measured[name] = _run_pair(ctx, _connector_rank, (name, port, args.iters), cpus)
 
     machine = _machine()
     machine["load_avg_1m"] = os.getloadavg()[0]
     machine["loadavg_before"] = load_before
     machine["loadavg_after"] = _loadavg()
+    machine["cpus_attention_ffn"] = list(cpus)
+    placed = "unpinned" if cpus[0] is None else f"attention on CPU {cpus[0]}, FFN on CPU {cpus[1]}"
     print(
         f"machine: {machine['nproc']} CPUs, {machine['cpu']}, {machine['ram_gib']} GiB RAM; "
-        f"/proc/loadavg before: {load_before}, after: {machine['loadavg_after']}; "
+        f"/proc/loadavg before: {load_before}, after: {machine['loadavg_after']}; {placed}; "
         f"{args.iters} round trips per size, median ms"
     )
     header = f"{'tokens x hidden':>16} {'MiB':>6} {'shm floor':>10}"

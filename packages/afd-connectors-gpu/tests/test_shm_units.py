@@ -77,3 +77,77 @@ def test_calls_before_init_fail_clearly() -> None:
     conn.close()
     conn.close()
     assert not conn.is_initialized
+
+
+def _pair(**extra):
+    """An attention and an FFN shm connector in this process (rings need no second one)."""
+    import threading
+
+    from afd_connectors_gpu.testing import free_port
+
+    port = free_port()
+    made: dict[str, P2pShmAFDConnector] = {}
+    errors: list[BaseException] = []
+
+    def join(role: str) -> None:
+        try:
+            config = AFDConfig(
+                role=role, connector="P2pShmAFDConnector", port=port, connect_timeout_s=30,
+                connector_extra_config=extra,
+            )  # fmt: skip
+            conn = P2pShmAFDConnector(config, rank=0)
+            conn.init()
+            made[role] = conn
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in ("attention", "ffn")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return made["attention"], made["ffn"]
+
+
+def test_hot_path_reuses_receive_buffers_and_moves_any_layout() -> None:
+    """Receives of one shape and micro-batch land in one buffer (nothing allocated per
+    layer); another micro-batch gets its own; sent tensors may be non-contiguous."""
+    import torch
+
+    from afd_core.transfer import AttentionToFFN, FFNToAttention
+
+    attn, ffn = _pair(slot_bytes=1 << 20)
+    try:
+        ptrs: dict[str, set[int]] = {"a2f": set(), "f2a": set(), "mb1": set()}
+        kept = []  # every received tensor stays referenced: fresh ones could not share memory
+        for layer in range(6):
+            x = torch.randn(8, 5, dtype=torch.float32).to(torch.bfloat16).t()  # [5, 8] view
+            assert not x.is_contiguous()
+            ids = torch.randint(0, 16, (5, 2), dtype=torch.int32)
+            weights = torch.rand(5, 2)
+            for mb in (0, 1):
+                payload = AttentionToFFN(x + mb, topk_ids=ids, topk_weights=weights)
+                attn.send_to_ffn(payload, layer_idx=layer, micro_batch_idx=mb)
+            for mb in (0, 1):
+                batch = ffn.recv_from_attention()
+                got = batch.payload
+                assert batch.micro_batch_idx == mb
+                assert torch.equal(got.hidden_states, x + mb)
+                assert torch.equal(got.topk_ids, ids) and torch.equal(got.topk_weights, weights)
+                ptrs["a2f" if mb == 0 else "mb1"].add(got.hidden_states.data_ptr())
+                kept.append(got.hidden_states)
+                out = got.hidden_states * 2
+                ffn.send_to_attention(batch, FFNToAttention(out, shared_output=out + 1))
+            for mb in (0, 1):
+                result = attn.recv_from_ffn(layer_idx=layer, micro_batch_idx=mb)
+                assert torch.equal(result.output, (x + mb) * 2)
+                assert torch.equal(result.shared_output, (x + mb) * 2 + 1)
+                if mb == 0:
+                    ptrs["f2a"].add(result.output.data_ptr())
+                kept.append(result.output)
+        assert len(ptrs["a2f"]) == len(ptrs["f2a"]) == len(ptrs["mb1"]) == 1, ptrs
+        assert ptrs["a2f"] != ptrs["mb1"]
+    finally:
+        attn.close()
+        ffn.close()

@@ -15,6 +15,8 @@ from afd_core.transfer import (
     PayloadKind,
     TransferHeader,
     dtype_name,
+    layout_of,
+    make_header,
 )
 
 
@@ -130,3 +132,63 @@ def test_payloads_must_be_two_dimensional() -> None:
         FFNToAttention(T(2, 3, 4))
     with pytest.raises(AFDTransferMismatchError, match="shared_output shape"):
         FFNToAttention(T(4, 8), shared_output=T(3, 8))
+
+
+# -- payload layouts (what transports move, without switching on the kind) -----------
+_LAYOUT_CASES = [
+    (AttentionToFFN(T(4, 8, dtype="bfloat16")), [((8,), "bfloat16")], None),
+    (
+        AttentionToFFN(
+            T(4, 8, dtype="bfloat16"), topk_ids=T(4, 2, dtype="int32"), topk_weights=T(4, 2)
+        ),
+        [((8,), "bfloat16"), ((2,), "int32"), ((2,), "float32")],
+        None,
+    ),
+    (
+        AttentionToFFN(T(4, 8, dtype="bfloat16"), router_logits=T(4, 16, dtype="float32")),
+        [((8,), "bfloat16"), ((16,), "float32")],
+        "float32",
+    ),
+    (
+        AttentionToFFN(T(4, 8, dtype="bfloat16"), token_ids=T(4, dtype="int32")),
+        [((8,), "bfloat16"), ((), "int32")],
+        "int32",
+    ),
+    (FFNToAttention(T(4, 8, dtype="float16")), [((8,), "float16")], None),
+    (
+        FFNToAttention(T(4, 8, dtype="float16"), shared_output=T(4, 8, dtype="float32")),
+        [((8,), "float16"), ((8,), "float32")],
+        "float32",
+    ),
+]
+
+
+@pytest.mark.parametrize(("payload", "specs", "aux"), _LAYOUT_CASES)
+def test_layout_moves_every_tensor_of_a_payload(payload: Any, specs: list[Any], aux: Any) -> None:
+    layout = layout_of(payload.kind)
+    tensors, announced = layout.tensors(payload)
+    assert announced == aux
+    header = payload.header(3, 1)
+    assert layout.specs(header, announced) == specs
+    rebuilt = layout.build(tensors)
+    assert type(rebuilt) is type(payload)
+    assert rebuilt == payload  # every field, None ones included
+    assert rebuilt.kind is payload.kind
+
+
+def test_every_kind_has_a_layout_and_aux_dtypes_default() -> None:
+    assert {layout_of(k).kind for k in PayloadKind} == set(PayloadKind)
+    logits = TransferHeader(0, 0, 4, 8, "bfloat16", PayloadKind.HIDDEN_ROUTER_LOGITS, 16)
+    assert layout_of(logits.kind).specs(logits, None)[1] == ((16,), "bfloat16")
+    ids = TransferHeader(0, 0, 4, 8, "bfloat16", PayloadKind.HIDDEN_TOKEN_IDS)
+    assert layout_of(ids.kind).specs(ids, None)[1] == ((), "int64")
+    assert layout_of(PayloadKind.SHUTDOWN).extras == ()
+
+
+def test_headers_of_the_hot_path_are_made_once() -> None:
+    payload = AttentionToFFN(T(4, 8))
+    assert payload.header(2, 0) is payload.header(2, 0)
+    assert payload.header(2, 0) == TransferHeader(2, 0, 4, 8, "float32", PayloadKind.HIDDEN)
+    assert make_header(2, 0, 4, 8, "float32", PayloadKind.HIDDEN, 0) is payload.header(2, 0)
+    with pytest.raises(AFDTransferMismatchError, match="wire dtype"):
+        make_header(2, 0, 4, 8, "complex64", PayloadKind.HIDDEN)

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from afd_connectors_gpu.rendezvous import describe_global_rank
-from afd_connectors_gpu.wire import Frame
+from afd_connectors_gpu.wire import Frame, make_frame
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector import AFDConnector, FFNBatch
 from afd_core.errors import (
@@ -42,6 +42,7 @@ from afd_core.transfer import (
     PayloadKind,
     TransferHeader,
     dtype_name,
+    layout_of,
 )
 
 __all__ = ["IDLE", "ExchangeConnector"]
@@ -51,54 +52,13 @@ IDLE = math.inf
 
 _A2F_KINDS = frozenset(k for k in PayloadKind if k.is_attention_to_ffn)
 _F2A_KINDS = frozenset(k for k in PayloadKind if k.is_ffn_to_attention)
+_NO_SEND: tuple[int, int, int, str] = (-1, -1, -1, "")
 
 # (trailing shape, dtype name) of every tensor of a message, main tensor first.
 _Spec = tuple[tuple[int, ...], str]
 
 # One message to send: (peer global rank, frame, tensors in wire order).
 _Message = tuple[int, Frame, Sequence[Any]]
-
-
-def _a2f_specs(header: TransferHeader, aux_dtype: str | None) -> list[_Spec]:
-    specs: list[_Spec] = [((header.hidden_size,), header.dtype)]
-    if header.kind is PayloadKind.HIDDEN_TOPK:
-        specs += [((header.topk,), "int32"), ((header.topk,), "float32")]
-    elif header.kind is PayloadKind.HIDDEN_ROUTER_LOGITS:
-        specs.append(((header.topk,), aux_dtype or header.dtype))
-    elif header.kind is PayloadKind.HIDDEN_TOKEN_IDS:
-        specs.append(((), aux_dtype or "int64"))
-    return specs
-
-
-def _f2a_specs(header: TransferHeader, aux_dtype: str | None) -> list[_Spec]:
-    specs: list[_Spec] = [((header.hidden_size,), header.dtype)]
-    if header.kind is PayloadKind.OUTPUT_WITH_SHARED:
-        specs.append(((header.hidden_size,), aux_dtype or header.dtype))
-    return specs
-
-
-def _a2f_tensors(payload: AttentionToFFN) -> tuple[list[Any], str | None]:
-    tensors = [payload.hidden_states]
-    aux: str | None = None
-    if payload.topk_ids is not None:
-        tensors += [payload.topk_ids, payload.topk_weights]
-    elif payload.router_logits is not None:
-        tensors.append(payload.router_logits)
-        aux = dtype_name(payload.router_logits.dtype)
-    elif payload.token_ids is not None:
-        tensors.append(payload.token_ids)
-        aux = dtype_name(payload.token_ids.dtype)
-    return tensors, aux
-
-
-def _a2f_payload(kind: PayloadKind, tensors: Sequence[Any]) -> AttentionToFFN:
-    if kind is PayloadKind.HIDDEN_TOPK:
-        return AttentionToFFN(tensors[0], topk_ids=tensors[1], topk_weights=tensors[2])
-    if kind is PayloadKind.HIDDEN_ROUTER_LOGITS:
-        return AttentionToFFN(tensors[0], router_logits=tensors[1])
-    if kind is PayloadKind.HIDDEN_TOKEN_IDS:
-        return AttentionToFFN(tensors[0], token_ids=tensors[1])
-    return AttentionToFFN(tensors[0])
 
 
 def _layer_key(frame: Frame) -> tuple[Any, ...]:
@@ -159,6 +119,7 @@ class ExchangeConnector(AFDConnector):
             self._peers = tuple(
                 topo.global_rank(AFDRole.ATTENTION, a) for a in self._peer_role_ranks
             )
+        self._role = self.role
         self._closed = False
         self._active = 0  # public operations in progress (see _enter / _leave)
         self._state_lock = threading.Lock()
@@ -305,11 +266,12 @@ class ExchangeConnector(AFDConnector):
                     f"{micro_batch_idx}) again before recv_from_ffn received the first one"
                 )
             header = payload.header(layer_idx, micro_batch_idx)
-            tensors, aux = _a2f_tensors(payload)
+            tensors, aux = layout_of(header.kind).tensors(payload)
             peer = self._peers[0]
-            self._check_peer(peer)
+            if self._broken:
+                self._check_peer(peer)
             deadline, timeout = self._deadline(None)
-            frame = Frame(header, aux, self._global_rank)
+            frame = make_frame(header, aux, self._global_rank)
             self._send_messages(link, [(peer, frame, tensors)], deadline, timeout, micro_batch_idx)
             self._sent[key] = header
         finally:
@@ -331,7 +293,8 @@ class ExchangeConnector(AFDConnector):
         # really arrived (a mismatch error), or the receive times out.
         sent = self._sent.get((layer_idx, micro_batch_idx))
         peer = self._peers[0]
-        self._check_peer(peer)
+        if self._broken:
+            self._check_peer(peer)
         deadline, timeout = self._deadline(timeout_s)
         action = f"receiving layer {layer_idx} micro-batch {micro_batch_idx} from"
         [frame] = self._recv_frames(link, [peer], deadline, timeout, action)
@@ -351,17 +314,30 @@ class ExchangeConnector(AFDConnector):
                 f"received kind {header.kind.name}"
             )
         problem: AFDTransferMismatchError | None = None
-        try:
-            header.expect(
-                layer_idx=layer_idx,
-                micro_batch_idx=micro_batch_idx,
-                num_tokens=None if sent is None else sent.num_tokens,
-                hidden_size=None if sent is None else sent.hidden_size,
-                dtype=None if sent is None else sent.dtype,
+        if (
+            header.layer_idx != layer_idx
+            or header.micro_batch_idx != micro_batch_idx
+            or (
+                sent is not None
+                and (
+                    header.num_tokens != sent.num_tokens
+                    or header.hidden_size != sent.hidden_size
+                    or header.dtype != sent.dtype
+                )
             )
-        except AFDTransferMismatchError as exc:
-            problem = exc
-        specs = _f2a_specs(header, frame.aux_dtype)
+        ):
+            try:
+                header.expect(
+                    layer_idx=layer_idx,
+                    micro_batch_idx=micro_batch_idx,
+                    num_tokens=None if sent is None else sent.num_tokens,
+                    hidden_size=None if sent is None else sent.hidden_size,
+                    dtype=None if sent is None else sent.dtype,
+                )
+            except AFDTransferMismatchError as exc:
+                problem = exc
+        layout = layout_of(header.kind)
+        specs = layout.specs(header, frame.aux_dtype)
         n = header.num_tokens
         tensors: list[Any] = []
         if problem is None:
@@ -382,7 +358,9 @@ class ExchangeConnector(AFDConnector):
                 f"({header.num_tokens} tokens); {problem}. The FFN side answers in the "
                 "order of send_to_ffn calls"
             )
-        return FFNToAttention(tensors[0], shared_output=tensors[1] if len(tensors) > 1 else None)
+        result = layout.build(tensors)
+        assert isinstance(result, FFNToAttention)
+        return result
 
     # -- FFN side ----------------------------------------------------------------------
     def recv_from_attention(self, *, timeout_s: float | None = None) -> FFNBatch:
@@ -399,11 +377,19 @@ class ExchangeConnector(AFDConnector):
                 f"(idle FFN ranks: {list(self.topology.idle_ffn_ranks)}); an idle rank must "
                 "not call recv_from_attention"
             )
-        for peer in self._peers:
-            self._check_peer(peer)
+        if self._broken:
+            for peer in self._peers:
+                self._check_peer(peer)
         action = "receiving from"
         received: Iterable[Frame]
-        if timeout_s is None:
+        if timeout_s is None and len(self._peers) == 1:
+            # The common case, one attention peer: no deadline while it is alive.
+            received = self._recv_frames(
+                link, self._peers, IDLE, self.config.transfer_timeout_s,
+                "waiting for the next step from",
+            )  # fmt: skip
+            deadline, timeout = self._deadline(None)
+        elif timeout_s is None:
             # Waiting for the next step is not a transfer: no deadline while the peers are
             # alive (peer loss and close() still end the wait). Once the first peer's frame
             # is here the step has started, and the rest of it is bounded.
@@ -438,7 +424,7 @@ class ExchangeConnector(AFDConnector):
                 )
             frames.append(frame)
         first = frames[0]
-        ref = _layer_key(first)
+        ref = _layer_key(first) if len(frames) > 1 else None
         for peer, frame in zip(self._peers[1:], frames[1:], strict=True):
             if _layer_key(frame) != ref:
                 for p in self._peers:
@@ -453,19 +439,22 @@ class ExchangeConnector(AFDConnector):
         head = first.header
         counts = tuple(f.header.num_tokens for f in frames)
         mb = head.micro_batch_idx
+        layout = layout_of(head.kind)
         tensors = self._recv_tensors(
             link,
             list(zip(self._peers, counts, strict=True)),
-            _a2f_specs(head, first.aux_dtype),
+            layout.specs(head, first.aux_dtype),
             deadline,
             timeout,
             f"receiving layer {head.layer_idx} micro-batch {mb} from",
             mb,
         )
         total = sum(counts)
+        payload = layout.build(tensors)
+        assert isinstance(payload, AttentionToFFN)
         return FFNBatch(
             header=head if head.num_tokens == total else head.with_tokens(total),
-            payload=_a2f_payload(head.kind, tensors),
+            payload=payload,
             peer_ranks=self._peer_role_ranks,
             token_counts=counts,
         )
@@ -488,8 +477,9 @@ class ExchangeConnector(AFDConnector):
         aux = dtype_name(shared_out.dtype) if shared_out is not None else None
         layer, mb = batch.layer_idx, batch.micro_batch_idx
         for peer, part in answers:
-            self._check_peer(peer)
-            frame = Frame(part.header(layer, mb), aux, self._global_rank)
+            if self._broken:
+                self._check_peer(peer)
+            frame = make_frame(part.header(layer, mb), aux, self._global_rank)
             out, sh = part.output, part.shared_output
             yield peer, frame, [out] if sh is None else [out, sh]
 
@@ -507,11 +497,11 @@ class ExchangeConnector(AFDConnector):
         ``close()`` of a transport may wait for the operations in progress to leave.
         """
         with self._state_lock:
-            if self._closed:
-                raise AFDConnectorClosedError(f"{self.label}: {method}() after close()")
-            self.check_side(role, method)
             link = self._link()
-            if link is None:
+            if self._closed or self._role is not role or link is None:
+                if self._closed:
+                    raise AFDConnectorClosedError(f"{self.label}: {method}() after close()")
+                self.check_side(role, method)
                 raise AFDConnectorError(f"{self.label}: {method}() before init()")
             self._active += 1
         return link

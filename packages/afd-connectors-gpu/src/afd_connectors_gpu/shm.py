@@ -106,14 +106,23 @@ class _Ring:
         self.unlinked = False
         self._views: dict[tuple[int, int], Any] = {}
 
-    def view(self, start: int, nbytes: int) -> Any:
-        """``data[start:start + nbytes]``, cached (message layouts repeat every step)."""
-        key = (start, nbytes)
+    def view(self, start: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        """The ring's bytes from ``start`` as a tensor of ``shape`` and ``dtype`` (a torch
+        dtype or its name), cached: message layouts repeat every step."""
+        key = (start, shape, dtype)
         v = self._views.get(key)
         if v is None:
+            import torch
+
+            torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * torch.empty((), dtype=torch_dtype).element_size()
             if len(self._views) >= _VIEW_CACHE:
                 self._views.clear()
-            v = self._views[key] = self.data[start : start + nbytes]
+            flat = self.data[start : start + nbytes]
+            v = self._views[key] = flat.view(torch_dtype).view(shape)
         return v
 
     @staticmethod
@@ -277,6 +286,8 @@ class P2pShmAFDConnector(ExchangeConnector):
         self._out: dict[int, _Ring] = {}
         self._in: dict[int, _Ring] = {}
         self._peer_pid: dict[int, tuple[int, str]] = {}
+        self._recv_buffers: dict[tuple[Any, ...], Any] = {}
+        self._recv_views: dict[tuple[Any, ...], Any] = {}
         self._store: Any = None
         self._desk: Any = None
         self._ready = False
@@ -403,7 +414,7 @@ class P2pShmAFDConnector(ExchangeConnector):
             ring = self._out.get(peer)
             if ring is not None and ring.writable():
                 # The FFN peer is at a message boundary: tell it we are leaving.
-                words = Frame.shutdown(self._global_rank).encode()
+                words = Frame.shutdown(self._global_rank).words
                 struct.pack_into(_FRAME_FMT, ring.mm, ring.write_slot(), *words)
                 ring.publish()
         for ring in self._out.values():
@@ -420,6 +431,8 @@ class P2pShmAFDConnector(ExchangeConnector):
             ring.release()
         self._out.clear()
         self._in.clear()
+        self._recv_views.clear()
+        self._recv_buffers.clear()
 
     # -- transport -------------------------------------------------------------------
     def _peer_gone(self, peer: int) -> bool:
@@ -484,15 +497,11 @@ class P2pShmAFDConnector(ExchangeConnector):
         timeout: float,
     ) -> None:
         ring = self._out[peer]
-        sources = []
+        offsets = []
         size = _SLOT_HEAD
         for t in tensors:
-            nbytes = t.numel() * t.element_size()
-            if nbytes:
-                if t.device.type != "cpu":
-                    t = t.cpu()
-                sources.append((size, nbytes, t.contiguous().view(-1)))
-            size += _align(nbytes)
+            offsets.append(size)
+            size += _align(t.nbytes)
         if size > ring.slot_bytes:
             raise AFDTransferMismatchError(
                 f"{self.label} -> {self._describe(peer)}: a {frame.header.num_tokens}-token "
@@ -509,12 +518,12 @@ class P2pShmAFDConnector(ExchangeConnector):
                 timeout,
                 "sending to (all ring slots full)",
             )
-        import torch
-
         base = ring.write_slot()
-        struct.pack_into(_FRAME_FMT, ring.mm, base, *frame.encode())
-        for offset, nbytes, flat in sources:
-            ring.view(base + offset, nbytes).copy_(flat.view(torch.uint8))
+        struct.pack_into(_FRAME_FMT, ring.mm, base, *frame.words)
+        for offset, t in zip(offsets, tensors, strict=True):
+            if t.numel():
+                # One copy per tensor, from any device and layout, into the slot.
+                ring.view(base + offset, t.shape, t.dtype).copy_(t)
         ring.publish()
 
     def _send_messages(
@@ -588,35 +597,63 @@ class P2pShmAFDConnector(ExchangeConnector):
         """Copy the tensors of the current message of each (peer, tokens) out, in order.
 
         Several peers' rows are copied straight into one concatenated tensor each.
-        Every peer's message is consumed afterwards.
+        Every peer's message is consumed afterwards. The tensors returned are views of
+        this connector's receive buffers (:meth:`_buffer`).
         """
-        import torch
-
-        total = sum(n for _, n in parts)
+        total = 0
+        for _, n in parts:
+            total += n
         outs = []
         offsets = [_SLOT_HEAD] * len(parts)
-        for trailing, dtype in specs:
-            out = torch.empty((total, *trailing), dtype=getattr(torch, dtype))
-            row_bytes = out.element_size()
-            for d in trailing:
-                row_bytes *= d
-            row = 0
-            for i, (peer, n) in enumerate(parts):
-                nbytes = n * row_bytes
-                if nbytes:
-                    ring = self._in[peer]
-                    start = ring.read_slot() + offsets[i]
-                    if offsets[i] + nbytes > ring.slot_bytes:
-                        self._broken[peer] = "message larger than a slot"
-                        raise AFDTransferMismatchError(
-                            f"{self.label} <- {self._describe(peer)}: the frame announces "
-                            f"{nbytes} bytes past the end of a {ring.slot_bytes}-byte slot"
-                        )
-                    dst = (out if n == total else out[row : row + n]).view(-1).view(torch.uint8)
-                    dst.copy_(ring.view(start, nbytes))
-                offsets[i] += _align(nbytes)
-                row += n
+        peers = parts[0][0] if len(parts) == 1 else tuple(p for p, _ in parts)
+        for slot, spec in enumerate(specs):
+            out = self._buffer(peers, slot, spec, mb, total)
+            if total:
+                trailing, dtype = spec
+                row_bytes = out.element_size()
+                for d in trailing:
+                    row_bytes *= d
+                row = 0
+                for i, (peer, n) in enumerate(parts):
+                    nbytes = n * row_bytes
+                    if nbytes:
+                        ring = self._in[peer]
+                        if offsets[i] + nbytes > ring.slot_bytes:
+                            self._broken[peer] = "message larger than a slot"
+                            raise AFDTransferMismatchError(
+                                f"{self.label} <- {self._describe(peer)}: the frame announces "
+                                f"{nbytes} bytes past the end of a {ring.slot_bytes}-byte slot"
+                            )
+                        src = ring.view(ring.read_slot() + offsets[i], (n, *trailing), dtype)
+                        (out if n == total else out[row : row + n]).copy_(src)
+                    offsets[i] += _align(nbytes)
+                    row += n
             outs.append(out)
         for peer, _ in parts:
             self._in[peer].consume()
         return outs
+
+    def _buffer(self, peers: Any, slot: int, spec: _Spec, mb: int, num_tokens: int) -> Any:
+        """A receive buffer of ``num_tokens`` rows for tensor ``slot`` of a message.
+
+        Buffers are kept per (peers, tensor slot, spec, micro-batch) and power-of-two
+        token bucket, so nothing is allocated (or page-faulted) per layer; the view handed
+        out is valid until the next receive of the same key and bucket (the same rule as
+        the NCCL connector's buffer pool).
+        """
+        key = (peers, slot, spec, mb, num_tokens)
+        view = self._recv_views.get(key)
+        if view is None:
+            import torch
+
+            bucket = 1 << max(num_tokens - 1, 0).bit_length()
+            bkey = (peers, slot, spec, mb, bucket)
+            buf = self._recv_buffers.get(bkey)
+            if buf is None:
+                trailing, dtype = spec
+                buf = torch.empty((bucket, *trailing), dtype=getattr(torch, dtype))
+                self._recv_buffers[bkey] = buf
+            if len(self._recv_views) >= _VIEW_CACHE:
+                self._recv_views.clear()
+            view = self._recv_views[key] = buf[:num_tokens]
+        return view

@@ -16,12 +16,13 @@ messages) are not put on the wire at all: both sides know their size is 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 from afd_core.errors import AFDTransferMismatchError
 from afd_core.transfer import WIRE_DTYPES, PayloadKind, TransferHeader
 
-__all__ = ["FRAME_LEN", "Frame", "wire_dtype_code", "dtype_from_code"]
+__all__ = ["FRAME_LEN", "Frame", "make_frame", "wire_dtype_code", "dtype_from_code"]
 
 FRAME_LEN = 16
 _DTYPE_BY_CODE = {code: name for name, code in WIRE_DTYPES.items()}
@@ -50,13 +51,18 @@ class Frame:
     header: TransferHeader
     aux_dtype: str | None = None
     sender: int = -1
+    words: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    """The encoded frame (``FRAME_LEN`` ints), computed once."""
 
-    def encode(self) -> list[int]:
+    def __post_init__(self) -> None:
         words = list(self.header.encode())
         words.append(0 if self.aux_dtype is None else wire_dtype_code(self.aux_dtype))
         words.append(self.sender)
         words.extend([0] * (FRAME_LEN - len(words)))
-        return words
+        object.__setattr__(self, "words", tuple(words))
+
+    def encode(self) -> list[int]:
+        return list(self.words)
 
     @classmethod
     def decode(cls, values: list[int]) -> Frame:
@@ -83,3 +89,10 @@ class Frame:
             kind=PayloadKind.SHUTDOWN,
         )
         return cls(header=header, sender=sender)
+
+
+@functools.lru_cache(maxsize=8192)
+def make_frame(header: TransferHeader, aux_dtype: str | None, sender: int) -> Frame:
+    """A :class:`Frame`, shared between calls with the same values (frames are immutable
+    and repeat every step), so the hot path encodes each only once."""
+    return Frame(header, aux_dtype, sender)

@@ -16,8 +16,9 @@ tensors are described structurally by :class:`TensorLike`.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
-from typing import Any, Protocol, runtime_checkable
+import functools
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from afd_core.errors import AFDTransferMismatchError
 
@@ -29,6 +30,9 @@ __all__ = [
     "AttentionToFFN",
     "FFNToAttention",
     "dtype_name",
+    "TensorSlot",
+    "PayloadLayout",
+    "layout_of",
 ]
 
 
@@ -95,8 +99,15 @@ _DTYPE_BY_CODE = {code: name for name, code in WIRE_DTYPES.items()}
 
 def dtype_name(dtype: Any) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``; strings pass through."""
-    text = str(dtype)
-    return text.rsplit(".", 1)[-1]
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = str(dtype).rsplit(".", 1)[-1]
+        if len(_DTYPE_NAMES) < 64:  # dtype objects are few and immortal
+            _DTYPE_NAMES[dtype] = name
+    return name
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +222,16 @@ _MAGIC = 0xAFD0
 
 
 def _shape(t: TensorLike) -> tuple[int, ...]:
-    return tuple(int(s) for s in t.shape)
+    shape = t.shape
+    if type(shape) in _INT_SHAPE_TYPES:
+        return tuple(shape)
+    if type(shape).__name__ == "Size" and type(shape).__module__ == "torch":
+        _INT_SHAPE_TYPES.add(type(shape))  # torch.Size: a tuple of ints
+        return tuple(shape)
+    return tuple(int(s) for s in shape)
+
+
+_INT_SHAPE_TYPES: set[type] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,15 +328,10 @@ class AttentionToFFN:
             topk = _shape(self.topk_ids)[1]
         elif self.router_logits is not None:
             topk = _shape(self.router_logits)[1]
-        return TransferHeader(
-            layer_idx=layer_idx,
-            micro_batch_idx=micro_batch_idx,
-            num_tokens=hs[0],
-            hidden_size=hs[1],
-            dtype=dtype_name(self.hidden_states.dtype),
-            kind=self.kind,
-            topk=topk,
-        )
+        return make_header(
+            layer_idx, micro_batch_idx, hs[0], hs[1], dtype_name(self.hidden_states.dtype),
+            self.kind, topk,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,11 +363,142 @@ class FFNToAttention:
 
     def header(self, layer_idx: int, micro_batch_idx: int = 0) -> TransferHeader:
         out = _shape(self.output)
-        return TransferHeader(
-            layer_idx=layer_idx,
-            micro_batch_idx=micro_batch_idx,
-            num_tokens=out[0],
-            hidden_size=out[1],
-            dtype=dtype_name(self.output.dtype),
-            kind=self.kind,
+        return make_header(
+            layer_idx, micro_batch_idx, out[0], out[1], dtype_name(self.output.dtype), self.kind
         )
+
+
+@functools.lru_cache(maxsize=8192)
+def make_header(
+    layer_idx: int,
+    micro_batch_idx: int,
+    num_tokens: int,
+    hidden_size: int,
+    dtype: str,
+    kind: PayloadKind,
+    topk: int = 0,
+) -> TransferHeader:
+    """A :class:`TransferHeader`, shared between calls with the same values.
+
+    Headers are immutable and the same few repeat every step (one per layer, micro-batch
+    and batch size), so the hot path validates each only once.
+    """
+    return TransferHeader(layer_idx, micro_batch_idx, num_tokens, hidden_size, dtype, kind, topk)
+
+
+# -- payload layouts ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TensorSlot:
+    """A tensor that follows a message's main tensor (see :class:`PayloadLayout`)."""
+
+    field: str
+    """The payload attribute that holds it."""
+    width: str
+    """Its trailing shape: ``"hidden"`` ([tokens, hidden]), ``"topk"`` ([tokens, topk])
+    or ``"none"`` ([tokens])."""
+    dtype: str | None
+    """Its dtype when fixed by the contract; ``None``: chosen by the sender and carried
+    next to the header (the *aux dtype*), defaulting to :attr:`default_dtype`."""
+    default_dtype: str | None = None
+    """The aux dtype when the sender names none; ``None``: the main tensor's dtype."""
+
+    def trailing(self, header: TransferHeader) -> tuple[int, ...]:
+        if self.width == "hidden":
+            return (header.hidden_size,)
+        if self.width == "topk":
+            return (header.topk,)
+        return ()
+
+    def dtype_in(self, header: TransferHeader, aux_dtype: str | None) -> str:
+        if self.dtype is not None:
+            return self.dtype
+        return aux_dtype or self.default_dtype or header.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadLayout:
+    """Which tensors a message of one :class:`PayloadKind` carries, in wire order.
+
+    The main tensor ([tokens, hidden] of the header's dtype) comes first, then
+    ``extras``. Transports move the tensors this describes and never switch on the
+    kind themselves; at most one extra has a sender-chosen (aux) dtype.
+    """
+
+    kind: PayloadKind
+    extras: tuple[TensorSlot, ...] = ()
+    fields: tuple[str, ...] = field(init=False)
+    """Payload attribute of every tensor, in wire order."""
+
+    def __post_init__(self) -> None:
+        main = "output" if self.kind.is_ffn_to_attention else "hidden_states"
+        object.__setattr__(self, "fields", (main, *(slot.field for slot in self.extras)))
+
+    @property
+    def aux_slot(self) -> TensorSlot | None:
+        for slot in self.extras:
+            if slot.dtype is None:
+                return slot
+        return None
+
+    def specs(
+        self, header: TransferHeader, aux_dtype: str | None
+    ) -> list[tuple[tuple[int, ...], str]]:
+        """(trailing shape, dtype name) of every tensor, main tensor first."""
+        specs: list[tuple[tuple[int, ...], str]] = [((header.hidden_size,), header.dtype)]
+        for slot in self.extras:
+            specs.append((slot.trailing(header), slot.dtype_in(header, aux_dtype)))
+        return specs
+
+    def tensors(self, payload: AttentionToFFN | FFNToAttention) -> tuple[list[Any], str | None]:
+        """The payload's tensors in wire order, and the aux dtype to announce (or None)."""
+        main = payload.hidden_states if isinstance(payload, AttentionToFFN) else payload.output
+        tensors = [main]
+        aux: str | None = None
+        for slot in self.extras:
+            t = getattr(payload, slot.field)
+            tensors.append(t)
+            if slot.dtype is None:
+                aux = dtype_name(t.dtype)
+        return tensors, aux
+
+    def build(self, tensors: list[Any]) -> AttentionToFFN | FFNToAttention:
+        """The payload from received tensors (shapes already checked against the header:
+        not validated again)."""
+        values = dict(zip(self.fields, tensors, strict=True))
+        if self.kind.is_ffn_to_attention:
+            return _unchecked(FFNToAttention, values)
+        return _unchecked(AttentionToFFN, values)
+
+
+def _unchecked(cls: type[_P], values: dict[str, Any]) -> _P:
+    obj = object.__new__(cls)
+    for name in cls.__dataclass_fields__:
+        object.__setattr__(obj, name, values.get(name))
+    return obj
+
+
+_P = TypeVar("_P", AttentionToFFN, FFNToAttention)
+
+_LAYOUTS: dict[PayloadKind, PayloadLayout] = {
+    PayloadKind.HIDDEN: PayloadLayout(PayloadKind.HIDDEN),
+    PayloadKind.HIDDEN_TOPK: PayloadLayout(
+        PayloadKind.HIDDEN_TOPK,
+        (TensorSlot("topk_ids", "topk", "int32"), TensorSlot("topk_weights", "topk", "float32")),
+    ),
+    PayloadKind.HIDDEN_ROUTER_LOGITS: PayloadLayout(
+        PayloadKind.HIDDEN_ROUTER_LOGITS, (TensorSlot("router_logits", "topk", None),)
+    ),
+    PayloadKind.HIDDEN_TOKEN_IDS: PayloadLayout(
+        PayloadKind.HIDDEN_TOKEN_IDS, (TensorSlot("token_ids", "none", None, "int64"),)
+    ),
+    PayloadKind.OUTPUT: PayloadLayout(PayloadKind.OUTPUT),
+    PayloadKind.OUTPUT_WITH_SHARED: PayloadLayout(
+        PayloadKind.OUTPUT_WITH_SHARED, (TensorSlot("shared_output", "hidden", None),)
+    ),
+    PayloadKind.SHUTDOWN: PayloadLayout(PayloadKind.SHUTDOWN),
+}
+
+
+def layout_of(kind: PayloadKind) -> PayloadLayout:
+    """The :class:`PayloadLayout` of ``kind`` (every kind has one)."""
+    return _LAYOUTS[kind]
