@@ -53,8 +53,8 @@ def native_served(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPat
 # An idle deployment must not die: one case runs with a short transfer timeout and sits
 # idle for several times that timeout halfway through its prompts (waiting for the next
 # step is not a transfer and has no deadline; a started step still has one).
-IDLE_TRANSFER_TIMEOUT_S = 4.0
-IDLE_S = 4 * IDLE_TRANSFER_TIMEOUT_S
+IDLE_TRANSFER_TIMEOUT_S = 3.0
+IDLE_S = 4 * IDLE_TRANSFER_TIMEOUT_S  # 12 s
 
 
 TOKEN = "served-test-deployment-token-0123456789"

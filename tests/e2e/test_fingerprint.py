@@ -82,6 +82,7 @@ def _assert_refused(ffn: FFNServer, attention: Server, took: float, fields: list
     assert took < 10.0, f"the roles took {took:.1f} s to stop after meeting"
 
 
+@pytest.mark.matrix  # runs in `nox -s tests-matrix` (CI runs it too)
 def test_ffn_on_another_architecture(
     tiny_models: dict[str, Path], tiny_qwen_models: dict[str | None, Path], tmp_path: Path
 ) -> None:

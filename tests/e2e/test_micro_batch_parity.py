@@ -191,6 +191,7 @@ def test_native_mla_depends_on_batch_composition(
     assert split != whole["token_ids"]
 
 
+@pytest.mark.matrix  # runs in `nox -s tests-matrix` (CI runs it too)
 def test_one_request_runs_as_one_micro_batch(
     tiny_qwen_models: dict[str | None, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
