@@ -87,6 +87,11 @@ def _positive_int(cls_name: str, key: str, value: Any) -> int:
     return value
 
 
+def _aux(result: FFNToAttention) -> str | None:
+    shared = result.shared_output
+    return None if shared is None else dtype_name(shared.dtype)
+
+
 class ExchangeConnector(AFDConnector):
     """The transport-independent half of the connectors of this package.
 
@@ -337,7 +342,7 @@ class ExchangeConnector(AFDConnector):
             except AFDTransferMismatchError as exc:
                 problem = exc
         layout = layout_of(header.kind)
-        specs = layout.specs(header, frame.aux_dtype)
+        specs = frame.specs
         n = header.num_tokens
         tensors: list[Any] = []
         if problem is None:
@@ -371,6 +376,8 @@ class ExchangeConnector(AFDConnector):
             self._leave()
 
     def _recv_from_attention(self, link: Any, timeout_s: float | None) -> FFNBatch:
+        if len(self._peers) == 1 and not self._broken:
+            return self._recv_from_one_peer(link, timeout_s)
         if not self._peers:
             raise AFDConfigError(
                 f"{self.label} serves no attention rank in topology {self.topology.label} "
@@ -407,21 +414,8 @@ class ExchangeConnector(AFDConnector):
             received = self._recv_frames(link, self._peers, deadline, timeout, action)
         frames: list[Frame] = []
         for peer, frame in zip(self._peers, received, strict=True):
-            kind = frame.header.kind
-            if kind is PayloadKind.SHUTDOWN:
-                self._skip_message(link, peer, 0, (), deadline, timeout, action, 0)
-                self._broken[peer] = "it closed"
-                raise AFDPeerLostError(
-                    f"{self._describe(peer)} closed (sent SHUTDOWN) while {self.label} waited "
-                    "for the next layer",
-                    goodbye=True,
-                )
-            if kind not in _A2F_KINDS:
-                self._broken[peer] = "stream out of step after a mismatch"
-                raise AFDTransferMismatchError(
-                    f"{self.label} <- {self._describe(peer)}: expected an attention->FFN "
-                    f"message, received kind {kind.name}"
-                )
+            if frame.header.kind not in _A2F_KINDS:
+                self._refuse_frame(link, peer, frame, deadline, timeout, action)
             frames.append(frame)
         first = frames[0]
         ref = _layer_key(first) if len(frames) > 1 else None
@@ -443,7 +437,7 @@ class ExchangeConnector(AFDConnector):
         tensors = self._recv_tensors(
             link,
             list(zip(self._peers, counts, strict=True)),
-            layout.specs(head, first.aux_dtype),
+            first.specs,
             deadline,
             timeout,
             f"receiving layer {head.layer_idx} micro-batch {mb} from",
@@ -459,13 +453,69 @@ class ExchangeConnector(AFDConnector):
             token_counts=counts,
         )
 
+    def _recv_from_one_peer(self, link: Any, timeout_s: float | None) -> FFNBatch:
+        """:meth:`_recv_from_attention` for an FFN rank with one attention peer (the
+        common case): the same checks, without the fan-in."""
+        peers = self._peers
+        peer = peers[0]
+        if timeout_s is None:
+            # Waiting for the next step is not a transfer: no deadline while the peer is
+            # alive (its loss and close() still end the wait).
+            wait = "waiting for the next step from"
+            [frame] = self._recv_frames(link, peers, IDLE, self.config.transfer_timeout_s, wait)
+            deadline, timeout = self._deadline(None)
+        else:
+            deadline, timeout = self._deadline(timeout_s)
+            [frame] = self._recv_frames(link, peers, deadline, timeout, "receiving from")
+        head = frame.header
+        if head.kind not in _A2F_KINDS:
+            self._refuse_frame(link, peer, frame, deadline, timeout, "receiving from")
+        self._reap_sends()
+        n = head.num_tokens
+        mb = head.micro_batch_idx
+        tensors = self._recv_tensors(
+            link, [(peer, n)], frame.specs, deadline, timeout,
+            f"receiving layer {head.layer_idx} micro-batch {mb} from", mb,
+        )  # fmt: skip
+        payload = layout_of(head.kind).build(tensors)
+        assert isinstance(payload, AttentionToFFN)
+        return FFNBatch(head, payload, self._peer_role_ranks, (n,))
+
+    def _refuse_frame(
+        self, link: Any, peer: int, frame: Frame, deadline: float, timeout: float, action: str
+    ) -> None:
+        """Raise for a frame that is not an attention->FFN message (goodbye or mismatch)."""
+        kind = frame.header.kind
+        if kind is PayloadKind.SHUTDOWN:
+            self._skip_message(link, peer, 0, (), deadline, timeout, action, 0)
+            self._broken[peer] = "it closed"
+            raise AFDPeerLostError(
+                f"{self._describe(peer)} closed (sent SHUTDOWN) while {self.label} waited "
+                "for the next layer",
+                goodbye=True,
+            )
+        self._broken[peer] = "stream out of step after a mismatch"
+        raise AFDTransferMismatchError(
+            f"{self.label} <- {self._describe(peer)}: expected an attention->FFN "
+            f"message, received kind {kind.name}"
+        )
+
     def send_to_attention(self, batch: FFNBatch, result: FFNToAttention) -> None:
         link = self._enter(AFDRole.FFN, "send_to_attention")
         try:
             answers = batch.answers(result, serving=self._peer_role_ranks, who=self.label)
             deadline, timeout = self._deadline(None)
+            mb = batch.micro_batch_idx
+            if len(answers) == 1 and not self._broken:  # one peer: no generator needed
+                peer, part = answers[0]
+                frame = make_frame(part.header(batch.layer_idx, mb), _aux(part), self._global_rank)
+                tensors = [part.output] if part.shared_output is None else [
+                    part.output, part.shared_output
+                ]  # fmt: skip
+                self._send_messages(link, [(peer, frame, tensors)], deadline, timeout, mb)
+                return
             messages = self._messages(batch, answers, result.shared_output)
-            self._send_messages(link, messages, deadline, timeout, batch.micro_batch_idx)
+            self._send_messages(link, messages, deadline, timeout, mb)
         finally:
             self._leave()
 

@@ -6,8 +6,9 @@ single-producer/single-consumer ring per (attention rank, FFN rank, direction) i
 shared memory, created by its writer. Per message the sender copies the frame
 (:mod:`afd_connectors_gpu.wire`) and each tensor's bytes into a ring slot (one memcpy per
 tensor) and publishes it by bumping a sequence counter; the receiver copies the bytes
-out into fresh tensors (one memcpy per tensor, straight into the concatenated fan-in
-tensor on the FFN side) and frees the slot. Tensor data is never pickled.
+out into receive buffers reused per (peer, tensor, micro-batch, token bucket) (one
+memcpy per tensor, straight into the concatenated fan-in tensor on the FFN side) and
+frees the slot. Tensor data is never pickled.
 
 Ring layout (one shared-memory segment)::
 
@@ -33,6 +34,7 @@ import json
 import logging
 import mmap
 import os
+import platform
 import secrets
 import socket
 import struct
@@ -65,8 +67,11 @@ _DEFAULT_SLOT_BYTES = 32 << 20
 _SLEEP_MIN_S = 50e-6
 _SLEEP_MAX_S = 1e-3
 _LIVENESS_EVERY_S = 0.02
+_SPIN_BURST = 32
 _CLOSE_DRAIN_S = 1.0
 _DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int64": 8,
+                "float8_e4m3fn": 1, "int8": 1}  # fmt: skip
 
 _FRAME_CACHE = 4096
 _VIEW_CACHE = 1024
@@ -77,11 +82,21 @@ _fence_lock = threading.Lock()
 def _fence() -> None:
     """Full memory barrier (a lock round trip), as vLLM's shm_broadcast does.
 
-    x86 keeps stores in order anyway; weaker architectures need the fence so that a
-    published sequence number is never seen before the slot contents.
+    Weaker memory models than x86's need it so that a published sequence number is
+    never seen before the slot contents; on x86-64 (stores are not reordered with other
+    stores, loads not with other loads) :data:`_FENCE` skips it.
     """
     with _fence_lock:
         pass
+
+
+def _no_fence() -> None:
+    pass
+
+
+#: The barrier around a sequence-number update: none where the CPU keeps stores (and
+#: loads) in program order (x86-64), a lock round trip elsewhere.
+_FENCE = _no_fence if platform.machine().lower() in ("x86_64", "amd64") else _fence
 
 
 def _align(n: int) -> int:
@@ -104,7 +119,9 @@ class _Ring:
         self.ctl = memoryview(mm)[:_CTL_BYTES].cast("q")
         self.data: Any = torch.frombuffer(mm, dtype=torch.uint8)
         self.unlinked = False
-        self._views: dict[tuple[int, int], Any] = {}
+        self._views: dict[tuple[Any, ...], Any] = {}
+        # (slot start, tokens, specs[, micro-batch]) -> where each tensor of a message goes
+        self.plans: dict[tuple[Any, ...], list[Any]] = {}
 
     def view(self, start: int, shape: tuple[int, ...], dtype: Any) -> Any:
         """The ring's bytes from ``start`` as a tensor of ``shape`` and ``dtype`` (a torch
@@ -177,6 +194,7 @@ class _Ring:
 
     def release(self) -> None:
         self._views.clear()
+        self.plans.clear()
         self.data = None
         self.ctl.release()
         try:
@@ -198,14 +216,14 @@ class _Ring:
         return _CTL_BYTES + (self.ctl[_WRITE_W] % self.num_slots) * self.slot_bytes
 
     def publish(self) -> None:
-        _fence()
+        _FENCE()
         self.ctl[_WRITE_W] = self.ctl[_WRITE_W] + 1
-        _fence()
+        _FENCE()
 
     def consume(self) -> None:
-        _fence()
+        _FENCE()
         self.ctl[_READ_W] = self.ctl[_READ_W] + 1
-        _fence()
+        _FENCE()
 
 
 class P2pShmAFDConnector(ExchangeConnector):
@@ -213,9 +231,11 @@ class P2pShmAFDConnector(ExchangeConnector):
 
     Same contract and failure behaviour as :class:`~afd_connectors_gpu.p2p.P2pGlooAFDConnector`
     (see the package README), for CPU tensors of ranks that share one host (one
-    ``/dev/shm`` and one pid namespace). A received tensor is a fresh tensor (not a
-    view of shared memory). A send copies the tensors into the ring and returns at
-    once; it waits only when all ``num_slots`` slots of the ring hold unread messages.
+    ``/dev/shm`` and one pid namespace). A received tensor is not a view of shared
+    memory; it stays valid until the next receive of the same peer, tensor, micro-batch
+    and token bucket (as with the NCCL connector's pool). A send copies the tensors into
+    the ring and returns at once; it waits only when all ``num_slots`` slots of the ring
+    hold unread messages.
 
     connector_extra_config:
       ``max_num_tokens`` (int, default 8192) with ``hidden_size`` (int, optional) and
@@ -481,7 +501,12 @@ class P2pShmAFDConnector(ExchangeConnector):
             if now > deadline:
                 raise self._timeout_error(peer, timeout, action)
             if now < spin_until:
-                os.sched_yield()
+                # A burst of yields between the checks above keeps the pick-up latency
+                # at one yield plus one counter read.
+                for _ in range(_SPIN_BURST):
+                    os.sched_yield()
+                    if ready():
+                        return
             else:
                 time.sleep(pause)
                 pause = min(pause * 2, _SLEEP_MAX_S)
@@ -497,18 +522,11 @@ class P2pShmAFDConnector(ExchangeConnector):
         timeout: float,
     ) -> None:
         ring = self._out[peer]
-        offsets = []
-        size = _SLOT_HEAD
-        for t in tensors:
-            offsets.append(size)
-            size += _align(t.nbytes)
-        if size > ring.slot_bytes:
-            raise AFDTransferMismatchError(
-                f"{self.label} -> {self._describe(peer)}: a {frame.header.num_tokens}-token "
-                f"message needs {size} bytes, a ring slot holds {ring.slot_bytes}; raise "
-                "connector_extra_config 'slot_bytes' (or set 'max_num_tokens' and "
-                "'hidden_size')"
-            )
+        base = ring.write_slot()  # waiting below moves only the reader's counter
+        key = (base, frame.header.num_tokens, frame.specs)
+        plan = ring.plans.get(key)
+        if plan is None:
+            plan = self._write_plan(ring, peer, key)
         if not ring.writable():
             self._wait(
                 ring.writable,
@@ -518,13 +536,36 @@ class P2pShmAFDConnector(ExchangeConnector):
                 timeout,
                 "sending to (all ring slots full)",
             )
-        base = ring.write_slot()
         struct.pack_into(_FRAME_FMT, ring.mm, base, *frame.words)
-        for offset, t in zip(offsets, tensors, strict=True):
-            if t.numel():
-                # One copy per tensor, from any device and layout, into the slot.
-                ring.view(base + offset, t.shape, t.dtype).copy_(t)
+        for dst, t in zip(plan, tensors, strict=True):
+            if dst is not None:
+                dst.copy_(t)  # one copy per tensor, from any device and layout
         ring.publish()
+
+    def _write_plan(self, ring: _Ring, peer: int, key: tuple[Any, ...]) -> list[Any]:
+        """Where each tensor of a message goes in a slot, for the (slot start, token
+        count, specs) in ``key``: a typed view of the ring per tensor (None if empty)."""
+        base, n, specs = key
+        plan = []
+        offset = _SLOT_HEAD
+        for trailing, dtype in specs:
+            shape = (n, *trailing)
+            nbytes = n * _DTYPE_BYTES[dtype]
+            for d in trailing:
+                nbytes *= d
+            if offset + nbytes > ring.slot_bytes:
+                raise AFDTransferMismatchError(
+                    f"{self.label} -> {self._describe(peer)}: a {n}-token message needs "
+                    f"{offset + nbytes} bytes, a ring slot holds {ring.slot_bytes}; raise "
+                    "connector_extra_config 'slot_bytes' (or set 'max_num_tokens' and "
+                    "'hidden_size')"
+                )
+            plan.append(ring.view(base + offset, shape, dtype) if nbytes else None)
+            offset += _align(nbytes)
+        if len(ring.plans) >= _VIEW_CACHE:
+            ring.plans.clear()
+        ring.plans[key] = plan
+        return plan
 
     def _send_messages(
         self,
@@ -600,6 +641,18 @@ class P2pShmAFDConnector(ExchangeConnector):
         Every peer's message is consumed afterwards. The tensors returned are views of
         this connector's receive buffers (:meth:`_buffer`).
         """
+        if len(parts) == 1:
+            peer, n = parts[0]
+            ring = self._in[peer]
+            key = (ring.read_slot(), n, specs, mb)
+            plan = ring.plans.get(key)
+            if plan is None:
+                plan = self._read_plan(ring, peer, key)
+            for dst, src in plan:
+                if src is not None:
+                    dst.copy_(src)
+            ring.consume()
+            return [dst for dst, _ in plan]
         total = 0
         for _, n in parts:
             total += n
@@ -632,6 +685,30 @@ class P2pShmAFDConnector(ExchangeConnector):
         for peer, _ in parts:
             self._in[peer].consume()
         return outs
+
+    def _read_plan(self, ring: _Ring, peer: int, key: tuple[Any, ...]) -> list[Any]:
+        """(receive buffer, ring view) per tensor of a message from one peer, for the
+        slot, token count, specs and micro-batch in ``key``."""
+        base, n, specs, mb = key
+        plan = []
+        offset = _SLOT_HEAD
+        for slot, spec in enumerate(specs):
+            trailing, dtype = spec
+            dst = self._buffer(peer, slot, spec, mb, n)
+            nbytes = dst.numel() * dst.element_size()
+            if offset + nbytes > ring.slot_bytes:
+                self._broken[peer] = "message larger than a slot"
+                raise AFDTransferMismatchError(
+                    f"{self.label} <- {self._describe(peer)}: the frame announces "
+                    f"{nbytes} bytes past the end of a {ring.slot_bytes}-byte slot"
+                )
+            src = ring.view(base + offset, (n, *trailing), dtype) if nbytes else None
+            plan.append((dst, src))
+            offset += _align(nbytes)
+        if len(ring.plans) >= _VIEW_CACHE:
+            ring.plans.clear()
+        ring.plans[key] = plan
+        return plan
 
     def _buffer(self, peers: Any, slot: int, spec: _Spec, mb: int, num_tokens: int) -> Any:
         """A receive buffer of ``num_tokens`` rows for tensor ``slot`` of a message.

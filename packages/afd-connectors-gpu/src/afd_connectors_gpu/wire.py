@@ -20,7 +20,7 @@ import functools
 from dataclasses import dataclass, field
 
 from afd_core.errors import AFDTransferMismatchError
-from afd_core.transfer import WIRE_DTYPES, PayloadKind, TransferHeader
+from afd_core.transfer import WIRE_DTYPES, PayloadKind, TransferHeader, layout_of
 
 __all__ = ["FRAME_LEN", "Frame", "make_frame", "wire_dtype_code", "dtype_from_code"]
 
@@ -53,8 +53,13 @@ class Frame:
     sender: int = -1
     words: tuple[int, ...] = field(init=False, repr=False, compare=False)
     """The encoded frame (``FRAME_LEN`` ints), computed once."""
+    specs: tuple[tuple[tuple[int, ...], str], ...] = field(init=False, repr=False, compare=False)
+    """(trailing shape, dtype) of every tensor that follows, in wire order (the header
+    kind's :class:`~afd_core.transfer.PayloadLayout`), computed once."""
 
     def __post_init__(self) -> None:
+        specs = layout_of(self.header.kind).specs(self.header, self.aux_dtype)
+        object.__setattr__(self, "specs", tuple(specs))
         words = list(self.header.encode())
         words.append(0 if self.aux_dtype is None else wire_dtype_code(self.aux_dtype))
         words.append(self.sender)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from afd_core.errors import AFDTransferMismatchError
 
@@ -122,8 +122,12 @@ class TransferHeader:
     kind: PayloadKind
     topk: int = 0
     """Top-k (HIDDEN_TOPK) or number of experts (HIDDEN_ROUTER_LOGITS); 0 otherwise."""
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     WIRE_LEN = 8
+
+    def __hash__(self) -> int:
+        return self._hash  # computed once: headers key the hot path's caches
 
     def __post_init__(self) -> None:
         for name in ("layer_idx", "micro_batch_idx", "num_tokens", "hidden_size", "topk"):
@@ -145,6 +149,8 @@ class TransferHeader:
                 raise AFDTransferMismatchError(
                     f"TransferHeader.kind must be a PayloadKind, got {kind!r}"
                 ) from None
+        values = (self.layer_idx, self.micro_batch_idx, self.num_tokens, self.hidden_size)
+        object.__setattr__(self, "_hash", hash((*values, self.dtype, self.kind, self.topk)))
 
     def encode(self) -> list[int]:
         """Fixed-length integer vector (``WIRE_LEN`` int64 values) for the wire."""
@@ -464,20 +470,18 @@ class PayloadLayout:
     def build(self, tensors: list[Any]) -> AttentionToFFN | FFNToAttention:
         """The payload from received tensors (shapes already checked against the header:
         not validated again)."""
-        values = dict(zip(self.fields, tensors, strict=True))
-        if self.kind.is_ffn_to_attention:
-            return _unchecked(FFNToAttention, values)
-        return _unchecked(AttentionToFFN, values)
+        if len(tensors) != len(self.fields):
+            raise AFDTransferMismatchError(
+                f"{self.kind.name} carries {len(self.fields)} tensors, got {len(tensors)}"
+            )
+        cls: type[AttentionToFFN] | type[FFNToAttention] = (
+            FFNToAttention if self.kind.is_ffn_to_attention else AttentionToFFN
+        )
+        obj = object.__new__(cls)
+        for name, index in _SLOTS[cls, self.fields]:
+            object.__setattr__(obj, name, None if index < 0 else tensors[index])
+        return obj
 
-
-def _unchecked(cls: type[_P], values: dict[str, Any]) -> _P:
-    obj = object.__new__(cls)
-    for name in cls.__dataclass_fields__:
-        object.__setattr__(obj, name, values.get(name))
-    return obj
-
-
-_P = TypeVar("_P", AttentionToFFN, FFNToAttention)
 
 _LAYOUTS: dict[PayloadKind, PayloadLayout] = {
     PayloadKind.HIDDEN: PayloadLayout(PayloadKind.HIDDEN),
@@ -496,6 +500,17 @@ _LAYOUTS: dict[PayloadKind, PayloadLayout] = {
         PayloadKind.OUTPUT_WITH_SHARED, (TensorSlot("shared_output", "hidden", None),)
     ),
     PayloadKind.SHUTDOWN: PayloadLayout(PayloadKind.SHUTDOWN),
+}
+
+
+# (payload class, layout fields) -> (field name, index in the layout's tensors or -1)
+_SLOTS: dict[tuple[type, tuple[str, ...]], tuple[tuple[str, int], ...]] = {
+    (cls, layout.fields): tuple(
+        (name, layout.fields.index(name) if name in layout.fields else -1)
+        for name in cls.__dataclass_fields__
+    )
+    for layout in _LAYOUTS.values()
+    for cls in (AttentionToFFN, FFNToAttention)
 }
 
 
