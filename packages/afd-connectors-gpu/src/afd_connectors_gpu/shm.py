@@ -658,7 +658,7 @@ class P2pShmAFDConnector(ExchangeConnector):
             total += n
         outs = []
         offsets = [_SLOT_HEAD] * len(parts)
-        peers = parts[0][0] if len(parts) == 1 else tuple(p for p, _ in parts)
+        peers = tuple(p for p, _ in parts)
         for slot, spec in enumerate(specs):
             out = self._buffer(peers, slot, spec, mb, total)
             if total:

@@ -33,6 +33,7 @@ __all__ = [
     "TensorSlot",
     "PayloadLayout",
     "layout_of",
+    "make_header",
 ]
 
 
