@@ -29,7 +29,7 @@ from typing import Any
 
 TOKENS = (1, 16, 64, 256)
 HIDDEN = (2048, 7168)
-WARMUP = 20
+WARMUP = 200  # a fresh process pair settles (CPU frequency, caches, the peer's start-up)
 DEFAULT_CONNECTORS = ("P2pGlooAFDConnector", "P2pShmAFDConnector")
 
 

@@ -189,6 +189,14 @@ class ExchangeConnector(AFDConnector):
         """
         raise NotImplementedError
 
+    def _recv_frame(
+        self, link: Any, peer: int, deadline: float, timeout: float, action: str
+    ) -> Frame:
+        """The next frame of one peer (default: through :meth:`_recv_frames`; a transport
+        may answer it more directly)."""
+        [frame] = self._recv_frames(link, [peer], deadline, timeout, action)
+        return frame
+
     def _recv_tensors(
         self,
         link: Any,
@@ -302,7 +310,7 @@ class ExchangeConnector(AFDConnector):
             self._check_peer(peer)
         deadline, timeout = self._deadline(timeout_s)
         action = f"receiving layer {layer_idx} micro-batch {micro_batch_idx} from"
-        [frame] = self._recv_frames(link, [peer], deadline, timeout, action)
+        frame = self._recv_frame(link, peer, deadline, timeout, action)
         header = frame.header
         if header.kind is PayloadKind.SHUTDOWN:
             self._skip_message(link, peer, 0, (), deadline, timeout, action, micro_batch_idx)
@@ -456,17 +464,16 @@ class ExchangeConnector(AFDConnector):
     def _recv_from_one_peer(self, link: Any, timeout_s: float | None) -> FFNBatch:
         """:meth:`_recv_from_attention` for an FFN rank with one attention peer (the
         common case): the same checks, without the fan-in."""
-        peers = self._peers
-        peer = peers[0]
+        peer = self._peers[0]
         if timeout_s is None:
             # Waiting for the next step is not a transfer: no deadline while the peer is
             # alive (its loss and close() still end the wait).
             wait = "waiting for the next step from"
-            [frame] = self._recv_frames(link, peers, IDLE, self.config.transfer_timeout_s, wait)
+            frame = self._recv_frame(link, peer, IDLE, self.config.transfer_timeout_s, wait)
             deadline, timeout = self._deadline(None)
         else:
             deadline, timeout = self._deadline(timeout_s)
-            [frame] = self._recv_frames(link, peers, deadline, timeout, "receiving from")
+            frame = self._recv_frame(link, peer, deadline, timeout, "receiving from")
         head = frame.header
         if head.kind not in _A2F_KINDS:
             self._refuse_frame(link, peer, frame, deadline, timeout, "receiving from")
@@ -503,17 +510,23 @@ class ExchangeConnector(AFDConnector):
     def send_to_attention(self, batch: FFNBatch, result: FFNToAttention) -> None:
         link = self._enter(AFDRole.FFN, "send_to_attention")
         try:
+            mb = batch.micro_batch_idx
+            if batch.peer_ranks is self._peer_role_ranks and len(self._peers) == 1:
+                # One peer, and the batch is this connector's own: the whole result is
+                # its answer once the row count matches (else answers() says why).
+                header = result.header(batch.layer_idx, mb)
+                if header.num_tokens == batch.header.num_tokens and not self._broken:
+                    deadline, timeout = self._deadline(None)
+                    frame = make_frame(header, _aux(result), self._global_rank)
+                    tensors = [result.output] if result.shared_output is None else [
+                        result.output, result.shared_output
+                    ]  # fmt: skip
+                    self._send_messages(
+                        link, [(self._peers[0], frame, tensors)], deadline, timeout, mb
+                    )
+                    return
             answers = batch.answers(result, serving=self._peer_role_ranks, who=self.label)
             deadline, timeout = self._deadline(None)
-            mb = batch.micro_batch_idx
-            if len(answers) == 1 and not self._broken:  # one peer: no generator needed
-                peer, part = answers[0]
-                frame = make_frame(part.header(batch.layer_idx, mb), _aux(part), self._global_rank)
-                tensors = [part.output] if part.shared_output is None else [
-                    part.output, part.shared_output
-                ]  # fmt: skip
-                self._send_messages(link, [(peer, frame, tensors)], deadline, timeout, mb)
-                return
             messages = self._messages(batch, answers, result.shared_output)
             self._send_messages(link, messages, deadline, timeout, mb)
         finally:

@@ -30,6 +30,7 @@ MessageQueue"). Nothing here imports torch at module import time; ``init()`` doe
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import mmap
@@ -62,6 +63,7 @@ _MAGIC_W, _WRITE_W, _READ_W, _WRITER_CLOSED_W, _READER_CLOSED_W = 0, 8, 16, 24, 
 _SLOT_HEAD = 256  # frame (16 int64 = 128 bytes) + padding: tensors start here
 _ALIGN = 64
 _FRAME_FMT = f"<{FRAME_LEN}q"
+_FRAME_BYTES = struct.calcsize(_FRAME_FMT)
 _PER_TOKEN_AUX = 1024  # bytes/token reserved for routing (top-k, router logits, token ids)
 _DEFAULT_SLOT_BYTES = 32 << 20
 _SLEEP_MIN_S = 50e-6
@@ -117,6 +119,7 @@ class _Ring:
         self.slot_bytes = slot_bytes
         self.creator = creator
         self.ctl = memoryview(mm)[:_CTL_BYTES].cast("q")
+        self.bytes = memoryview(mm)  # byte views of the slots (receive plans)
         self.data: Any = torch.frombuffer(mm, dtype=torch.uint8)
         self.unlinked = False
         self._views: dict[tuple[Any, ...], Any] = {}
@@ -197,6 +200,7 @@ class _Ring:
         self.plans.clear()
         self.data = None
         self.ctl.release()
+        self.bytes.release()
         try:
             self.mm.close()
         except BufferError:  # a view is still alive somewhere: let the GC unmap it
@@ -291,7 +295,7 @@ class P2pShmAFDConnector(ExchangeConnector):
 
     def __init__(self, config: AFDConfig, *, rank: int) -> None:
         super().__init__(config, rank=rank)
-        self._frames: dict[tuple[int, ...], Frame] = {}
+        self._frames: dict[bytes, Frame] = {}
         extra = self.extra_config
         self.num_slots = int(extra["num_slots"] or max(4, 2 * config.num_micro_batches))
         if extra["slot_bytes"] is not None:
@@ -536,7 +540,7 @@ class P2pShmAFDConnector(ExchangeConnector):
                 timeout,
                 "sending to (all ring slots full)",
             )
-        struct.pack_into(_FRAME_FMT, ring.mm, base, *frame.words)
+        ring.bytes[base : base + _FRAME_BYTES] = frame.packed
         for dst, t in zip(plan, tensors, strict=True):
             if dst is not None:
                 dst.copy_(t)  # one copy per tensor, from any device and layout
@@ -590,6 +594,11 @@ class P2pShmAFDConnector(ExchangeConnector):
         for peer in peers:
             yield self._next_frame(peer, deadline, timeout, action)
 
+    def _recv_frame(
+        self, link: P2pShmAFDConnector, peer: int, deadline: float, timeout: float, action: str
+    ) -> Frame:
+        return self._next_frame(peer, deadline, timeout, action)
+
     def _skip_message(
         self,
         link: P2pShmAFDConnector,
@@ -615,14 +624,16 @@ class P2pShmAFDConnector(ExchangeConnector):
                 timeout,
                 action,
             )
-        words = struct.unpack_from(_FRAME_FMT, ring.mm, ring.read_slot())
-        frame = self._frames.get(words)
+        start = ring.read_slot()
+        raw = ring.bytes[start : start + _FRAME_BYTES].tobytes()
+        frame = self._frames.get(raw)
         if frame is not None:
             return frame
+        words = struct.unpack(_FRAME_FMT, raw)
         frame = self._decode_frame(peer, words)
         if len(self._frames) >= _FRAME_CACHE:
             self._frames.clear()
-        self._frames[words] = frame  # frames are immutable; layers repeat every step
+        self._frames[raw] = frame  # frames are immutable; layers repeat every step
         return frame
 
     def _recv_tensors(
@@ -648,9 +659,10 @@ class P2pShmAFDConnector(ExchangeConnector):
             plan = ring.plans.get(key)
             if plan is None:
                 plan = self._read_plan(ring, peer, key)
-            for dst, src in plan:
-                if src is not None:
-                    dst.copy_(src)
+            for _, copy in plan:
+                if copy is not None:
+                    into, src = copy
+                    into[:] = src
             ring.consume()
             return [dst for dst, _ in plan]
         total = 0
@@ -687,13 +699,13 @@ class P2pShmAFDConnector(ExchangeConnector):
         return outs
 
     def _read_plan(self, ring: _Ring, peer: int, key: tuple[Any, ...]) -> list[Any]:
-        """(receive buffer, ring view) per tensor of a message from one peer, for the
-        slot, token count, specs and micro-batch in ``key``."""
+        """(receive buffer, (its bytes, the slot's bytes) or None if empty) per tensor of a
+        message from one peer, for the slot, token count, specs and micro-batch in
+        ``key``."""
         base, n, specs, mb = key
         plan = []
         offset = _SLOT_HEAD
         for slot, spec in enumerate(specs):
-            trailing, dtype = spec
             dst = self._buffer(peer, slot, spec, mb, n)
             nbytes = dst.numel() * dst.element_size()
             if offset + nbytes > ring.slot_bytes:
@@ -702,8 +714,15 @@ class P2pShmAFDConnector(ExchangeConnector):
                     f"{self.label} <- {self._describe(peer)}: the frame announces "
                     f"{nbytes} bytes past the end of a {ring.slot_bytes}-byte slot"
                 )
-            src = ring.view(base + offset, (n, *trailing), dtype) if nbytes else None
-            plan.append((dst, src))
+            copy = None
+            if nbytes:
+                # A receive buffer is ours, CPU and contiguous: the copy out of the ring is a
+                # plain memcpy between two byte views (~0.1 us, against ~0.8 us of torch's
+                # dispatch for a small copy_).
+                assert dst.is_contiguous() and dst.device.type == "cpu"
+                into = memoryview((ctypes.c_char * nbytes).from_address(dst.data_ptr()))
+                copy = (into.cast("B"), ring.bytes[base + offset : base + offset + nbytes])
+            plan.append((dst, copy))
             offset += _align(nbytes)
         if len(ring.plans) >= _VIEW_CACHE:
             ring.plans.clear()

@@ -17,6 +17,7 @@ messages) are not put on the wire at all: both sides know their size is 0.
 from __future__ import annotations
 
 import functools
+import struct
 from dataclasses import dataclass, field
 
 from afd_core.errors import AFDTransferMismatchError
@@ -53,6 +54,8 @@ class Frame:
     sender: int = -1
     words: tuple[int, ...] = field(init=False, repr=False, compare=False)
     """The encoded frame (``FRAME_LEN`` ints), computed once."""
+    packed: bytes = field(init=False, repr=False, compare=False)
+    """``words`` as little-endian int64 bytes (how a shared-memory slot holds them)."""
     specs: tuple[tuple[tuple[int, ...], str], ...] = field(init=False, repr=False, compare=False)
     """(trailing shape, dtype) of every tensor that follows, in wire order (the header
     kind's :class:`~afd_core.transfer.PayloadLayout`), computed once."""
@@ -65,6 +68,7 @@ class Frame:
         words.append(self.sender)
         words.extend([0] * (FRAME_LEN - len(words)))
         object.__setattr__(self, "words", tuple(words))
+        object.__setattr__(self, "packed", struct.pack(f"<{FRAME_LEN}q", *words))
 
     def encode(self) -> list[int]:
         return list(self.words)
