@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from afd_core.errors import AFDTransferMismatchError
+from afd_core.transfer import dtype_name
 
 __all__ = ["BufferPool", "DEFAULT_MAX_NUM_TOKENS"]
 
@@ -97,7 +98,7 @@ class BufferPool:
         Call :meth:`sent` with the key and the send's work once the send is posted.
         """
         n = int(tensor.shape[0])
-        spec: Spec = (tuple(int(s) for s in tensor.shape[1:]), _dtype_name(tensor))
+        spec: Spec = (tuple(int(s) for s in tensor.shape[1:]), dtype_name(tensor.dtype))
         key = self.key("send", peer, self.bucket_of(n), spec, slot, mb)
         previous = self._in_flight.pop(key, None)
         if previous is not None:
@@ -133,7 +134,3 @@ class BufferPool:
 
     def __len__(self) -> int:
         return len(self._buffers)
-
-
-def _dtype_name(tensor: Any) -> str:
-    return str(tensor.dtype).removeprefix("torch.")

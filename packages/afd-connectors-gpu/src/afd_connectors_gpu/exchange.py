@@ -397,14 +397,7 @@ class ExchangeConnector(AFDConnector):
                 self._check_peer(peer)
         action = "receiving from"
         received: Iterable[Frame]
-        if timeout_s is None and len(self._peers) == 1:
-            # The common case, one attention peer: no deadline while it is alive.
-            received = self._recv_frames(
-                link, self._peers, IDLE, self.config.transfer_timeout_s,
-                "waiting for the next step from",
-            )  # fmt: skip
-            deadline, timeout = self._deadline(None)
-        elif timeout_s is None:
+        if timeout_s is None:
             # Waiting for the next step is not a transfer: no deadline while the peers are
             # alive (peer loss and close() still end the wait). Once the first peer's frame
             # is here the step has started, and the rest of it is bounded.
@@ -426,7 +419,7 @@ class ExchangeConnector(AFDConnector):
                 self._refuse_frame(link, peer, frame, deadline, timeout, action)
             frames.append(frame)
         first = frames[0]
-        ref = _layer_key(first) if len(frames) > 1 else None
+        ref = _layer_key(first)
         for peer, frame in zip(self._peers[1:], frames[1:], strict=True):
             if _layer_key(frame) != ref:
                 for p in self._peers:
@@ -527,17 +520,16 @@ class ExchangeConnector(AFDConnector):
                     return
             answers = batch.answers(result, serving=self._peer_role_ranks, who=self.label)
             deadline, timeout = self._deadline(None)
-            messages = self._messages(batch, answers, result.shared_output)
+            messages = self._messages(batch, answers, _aux(result))
             self._send_messages(link, messages, deadline, timeout, mb)
         finally:
             self._leave()
 
     def _messages(
-        self, batch: FFNBatch, answers: list[tuple[int, FFNToAttention]], shared_out: Any
+        self, batch: FFNBatch, answers: list[tuple[int, FFNToAttention]], aux: str | None
     ) -> Iterator[_Message]:
-        """One message per attention peer; each peer is checked (``_check_peer``) just
-        before its message is produced."""
-        aux = dtype_name(shared_out.dtype) if shared_out is not None else None
+        """One message per attention peer (``aux``: the shared output's dtype, or None);
+        each peer is checked (``_check_peer``) just before its message is produced."""
         layer, mb = batch.layer_idx, batch.micro_batch_idx
         for peer, part in answers:
             if self._broken:

@@ -71,7 +71,6 @@ _SLEEP_MAX_S = 1e-3
 _LIVENESS_EVERY_S = 0.02
 _SPIN_BURST = 32
 _CLOSE_DRAIN_S = 1.0
-_DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int64": 8,
                 "float8_e4m3fn": 1, "int8": 1}  # fmt: skip
 
@@ -126,19 +125,18 @@ class _Ring:
         # (slot start, tokens, specs[, micro-batch]) -> where each tensor of a message goes
         self.plans: dict[tuple[Any, ...], list[Any]] = {}
 
-    def view(self, start: int, shape: tuple[int, ...], dtype: Any) -> Any:
-        """The ring's bytes from ``start`` as a tensor of ``shape`` and ``dtype`` (a torch
-        dtype or its name), cached: message layouts repeat every step."""
+    def view(self, start: int, shape: tuple[int, ...], dtype: str) -> Any:
+        """The ring's bytes from ``start`` as a tensor of ``shape`` and ``dtype`` (a wire
+        dtype name), cached: message layouts repeat every step."""
         key = (start, shape, dtype)
         v = self._views.get(key)
         if v is None:
             import torch
 
-            torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-            numel = 1
+            torch_dtype = getattr(torch, dtype)
+            nbytes = _DTYPE_BYTES[dtype]
             for d in shape:
-                numel *= d
-            nbytes = numel * torch.empty((), dtype=torch_dtype).element_size()
+                nbytes *= d
             if len(self._views) >= _VIEW_CACHE:
                 self._views.clear()
             flat = self.data[start : start + nbytes]
@@ -301,7 +299,7 @@ class P2pShmAFDConnector(ExchangeConnector):
         if extra["slot_bytes"] is not None:
             self.slot_bytes = _align(int(extra["slot_bytes"]))
         elif extra["hidden_size"] is not None:
-            per_token = 2 * int(extra["hidden_size"]) * _DTYPE_SIZES[extra["dtype"]]
+            per_token = 2 * int(extra["hidden_size"]) * _DTYPE_BYTES[extra["dtype"]]
             per_token += _PER_TOKEN_AUX
             self.slot_bytes = _align(_SLOT_HEAD + 4 * _ALIGN + extra["max_num_tokens"] * per_token)
         else:
