@@ -42,6 +42,7 @@ nox.options.sessions = [
     "core-no-torch",
     "tests",
     "build",
+    "tests-matrix",
     "install-each",
     "install-smoke",
 ]

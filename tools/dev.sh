@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Bootstrap uv + nox on a fresh machine and run a nox session.
-#   bash tools/dev.sh test   -> the full CI suite (lint, typecheck, tests, build)
+#   bash tools/dev.sh test   -> the default test run (lint, typecheck, tests, build)
+#   bash tools/dev.sh ci     -> what CI adds after it (the matrices, the install checks)
 #   bash tools/dev.sh demo   -> the main job: 1 Attention + 1 FFN on vLLM CPU
 #   bash tools/dev.sh -s X   -> any nox session
 set -euo pipefail
@@ -26,7 +27,8 @@ if [ -z "${UV_FIND_LINKS:-}" ]; then
 fi
 
 case "${1:-test}" in
-    test) shift || true; uv lock --check; exec nox -s lint typecheck core-no-torch tests build install-each install-smoke "$@" ;;
+    test) shift || true; uv lock --check; exec nox -s lint typecheck core-no-torch tests build "$@" ;;
+    ci) shift || true; exec nox -s tests-matrix install-each install-smoke "$@" ;;
     demo) shift; exec nox -s demo -- "$@" ;;
     *) exec nox "$@" ;;
 esac

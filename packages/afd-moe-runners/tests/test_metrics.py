@@ -81,6 +81,24 @@ def test_only_the_rows_sent_are_counted(moe_env: Any, attention_registry: Any) -
     assert sent == x[:3].nbytes
 
 
+def test_families_belong_to_their_registry_and_go_with_it() -> None:
+    """A registry made after another one was dropped gets its own metric families (an
+    id()-keyed cache once handed it the dead registry's, so its samples were missing)."""
+    import gc
+
+    from prometheus_client import CollectorRegistry
+
+    before = len(afd_metrics._registered)
+    for _ in range(3):
+        registry = CollectorRegistry()
+        afd_metrics.AttentionMetrics(0, registry=registry).peers.set(2)
+        assert _sample(registry, "afd_attention_peers_connected") == 2
+        assert len(afd_metrics._registered) == before + 1
+        del registry
+        gc.collect()
+        assert len(afd_metrics._registered) == before
+
+
 def test_peers_gauge_follows_the_connector(attention_registry: Any) -> None:
     from afd_core.topology import AFDTopology
 

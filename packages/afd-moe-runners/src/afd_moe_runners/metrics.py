@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Any
 
 __all__ = [
@@ -93,9 +94,11 @@ def result_bytes(result: Any) -> int:
     return _nbytes(result.output) + _nbytes(result.shared_output)
 
 
-# Metric families per (registry, role): a name can be registered once per registry,
+# Metric families per registry and role: a name can be registered once per registry,
 # while a process may hold several ranks' label sets (tests; one rank per process else).
-_registered: dict[tuple[int, str], dict[str, Any]] = {}
+# Keyed by the registry object itself, weakly: an id() could be reused by a new registry
+# once the old one is gone, which would hand it families registered elsewhere.
+_registered: weakref.WeakKeyDictionary[Any, dict[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
 _families_lock = threading.Lock()
 
 
@@ -104,10 +107,10 @@ def _families(registry: Any, role: str, build: Any) -> dict[str, Any]:
 
     reg = REGISTRY if registry is None else registry
     with _families_lock:
-        key = (id(reg), role)
-        if key not in _registered:
-            _registered[key] = build(reg)
-        return _registered[key]
+        by_role = _registered.setdefault(reg, {})
+        if role not in by_role:
+            by_role[role] = build(reg)
+        return by_role[role]
 
 
 def _attention_families(reg: Any) -> dict[str, Any]:
