@@ -33,7 +33,8 @@ BUILD = textwrap.dedent(
     try:
         inventory = executor.collective_rpc("afd_inventory")[0]
         names = executor.collective_rpc("afd_parameter_names")[0]
-        print("RESULT " + json.dumps({"inventory": inventory, "names": names}))
+        owners = executor.collective_rpc("afd_weight_owners")[0]
+        print("RESULT " + json.dumps({"inventory": inventory, "names": names, "owners": owners}))
     finally:
         executor.shutdown()
     """
@@ -65,7 +66,8 @@ def run_role_model_build(
 def build_role_model(
     model_dir: Path, arch: str, afd: dict[str, object], tmp_path: Path
 ) -> dict[str, Any]:
-    """The built model's parameter inventory and parameter names."""
+    """The built model's parameter inventory, parameter names, and the checkpoint tensors
+    it loaded / left to the other role by owner (``owners``: ``kept`` / ``dropped``)."""
     proc = run_role_model_build(model_dir, arch, afd, tmp_path)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -192,12 +192,23 @@ def test_non_finite_routed_scaling_factor_is_rejected(
     assert "not a finite number" in str(info.value)
 
 
-def test_gate_on_attention_without_a_gate_is_rejected(vllm_config: Any) -> None:
-    from afd_core.errors import AFDConfigError
+def test_gate_on_attention_without_a_gate_routes_the_models_logits(vllm_config: Any) -> None:
+    """A block that applies its gate itself (Mixtral-style: ``self.gate(x)`` then
+    ``self.experts(x, router_logits)``) passes no ``gate=``: the runner routes the logits
+    it is given, as vLLM's own runner does."""
+    import torch
 
-    with pytest.raises(AFDConfigError, match="did not pass gate=") as info:
-        build(vllm_config, attention_config(compute_gate_on_attention=True))
-    assert "compute_gate_on_attention=false" in str(info.value)
+    runner = build(vllm_config, attention_config(compute_gate_on_attention=True))
+    assert runner.gate is None
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 32, generator=gen)
+    logits = torch.randn(5, 8, generator=gen)
+    payload = runner.route(x, logits)
+    weights, ids = runner.router.select_experts(hidden_states=x, router_logits=logits)
+    assert torch.equal(payload.topk_ids, ids.to(torch.int32))
+    assert torch.equal(payload.topk_weights, weights.to(torch.float32))
+    other = runner.route(x, torch.randn(5, 8, generator=gen))
+    assert not torch.equal(other.topk_ids, payload.topk_ids)
 
 
 def test_caller_chosen_runner_is_refused_by_build_afd_moe(vllm_config: Any) -> None:

@@ -96,10 +96,10 @@ class RoutesTwiceRunner(ExternalRoutingRunner):
     """FAULT: runs the router again on the top-k weights it already selected and sends
     that second selection."""
 
-    def route(self, hidden_states: torch.Tensor) -> Any:
+    def route(self, hidden_states: torch.Tensor, router_logits: Any = None) -> Any:
         from afd_core.transfer import AttentionToFFN
 
-        first = super().route(hidden_states)
+        first = super().route(hidden_states, router_logits)
         logits = _selected_as_logits(
             first.topk_ids, first.topk_weights, self.moe_config.num_experts
         )
@@ -117,10 +117,10 @@ class ScoresLogitsTwiceRunner(ExternalRoutingRunner):
     """FAULT (router-logits payload): sends the scored logits (sigmoid already applied)
     so the FFN role's router scores them a second time."""
 
-    def route(self, hidden_states: torch.Tensor) -> Any:
+    def route(self, hidden_states: torch.Tensor, router_logits: Any = None) -> Any:
         from afd_core.transfer import AttentionToFFN
 
-        first = super().route(hidden_states)
+        first = super().route(hidden_states, router_logits)
         return AttentionToFFN(hidden_states, router_logits=first.router_logits.sigmoid())
 
 

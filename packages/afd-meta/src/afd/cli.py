@@ -28,6 +28,19 @@ def _cmd_models_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models_check(args: argparse.Namespace) -> int:
+    import json
+
+    from afd.models.check import main
+
+    try:
+        overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
+    except json.JSONDecodeError as e:
+        print(f"afd models check: error: --hf-overrides is not JSON: {e}", file=sys.stderr)
+        return 2
+    return main(args.model, hf_overrides=overrides)
+
+
 def _cmd_connectors(args: argparse.Namespace) -> int:
     from afd_core.registry import available_connectors
 
@@ -94,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("--overwrite", action="store_true")
     tiny.set_defaults(func=_cmd_models_tiny)
+    check = msub.add_parser(
+        "check",
+        help="whether and how afd splits a model into Attention and FFN roles (per layer; "
+        "exit 0 when it can, 1 when not, 2 when the model cannot be read)",
+    )
+    check.add_argument("model", help="checkpoint directory or model id vLLM can read")
+    check.add_argument("--hf-overrides", default=None, help="JSON, as vLLM's --hf-overrides")
+    check.set_defaults(func=_cmd_models_check)
 
     serve = sub.add_parser(
         "serve",

@@ -38,8 +38,9 @@ class ServeStats:
 class AFDWorkerExtension:
     """Mixed into vLLM's worker class (``parallel_config.worker_extension_cls``).
 
-    ``afd_inventory`` / ``afd_parameter_names`` report what the loaded role model owns
-    (any role); ``afd_serve`` / ``afd_stop`` run the FFN role's serving loop.
+    ``afd_inventory`` / ``afd_parameter_names`` / ``afd_weight_owners`` report what the
+    loaded role model owns (any role); ``afd_serve`` / ``afd_stop`` run the FFN role's
+    serving loop.
     """
 
     def _afd_model(self) -> Any:
@@ -57,6 +58,15 @@ class AFDWorkerExtension:
 
     def afd_parameter_names(self) -> list[str]:
         return [name for name, _ in self._afd_model().named_parameters()]
+
+    def afd_weight_owners(self) -> dict[str, dict[str, int]]:
+        """Checkpoint tensors this role loaded (``kept``) and left to the other role
+        (``dropped``), by owner (``attention`` / ``ffn`` / ``both`` / ``none``)."""
+        stats = self._afd_model().afd_runtime.weight_stats
+        return {
+            "kept": {o.value: n for o, n in stats.kept.items()},
+            "dropped": {o.value: n for o, n in stats.dropped.items()},
+        }
 
     def afd_serve(self) -> dict[str, Any]:
         """Serve layers until the peers leave or :meth:`afd_stop` is called."""

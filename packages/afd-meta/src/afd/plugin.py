@@ -14,27 +14,37 @@ logger = logging.getLogger(__name__)
 
 #: Checkpoint architecture -> AFD alias selected with ``--hf-overrides``.
 AFD_ARCHITECTURES: dict[str, str] = {
-    "DeepseekV2ForCausalLM": "AFDDeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM": "AFDDeepseekV3ForCausalLM",
     "DeepseekV32ForCausalLM": "AFDDeepseekV32ForCausalLM",
-    "Qwen3MoeForCausalLM": "AFDQwen3MoeForCausalLM",
     "Qwen3_5MoeForCausalLM": "AFDQwen3_5MoeForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "AFDQwen3_5MoeForConditionalGeneration",
 }
 
 #: AFD alias -> "module:Class" of its role-aware wrapper (resolved lazily by vLLM).
 AFD_MODEL_ALIASES: dict[str, str] = {
-    "AFDDeepseekV2ForCausalLM": "afd_models_deepseek.model:AFDDeepseekV2ForCausalLM",
-    "AFDDeepseekV3ForCausalLM": "afd_models_deepseek.model:AFDDeepseekV3ForCausalLM",
     "AFDDeepseekV32ForCausalLM": "afd_models_deepseek.model:AFDDeepseekV32ForCausalLM",
-    "AFDQwen3MoeForCausalLM": "afd_models_qwen.qwen3_moe:AFDQwen3MoeForCausalLM",
     "AFDQwen3_5MoeForCausalLM": "afd_models_qwen.qwen3_5_moe:AFDQwen3_5MoeForCausalLM",
     "AFDQwen3_5MoeForConditionalGeneration": (
         "afd_models_qwen.qwen3_5_moe:AFDQwen3_5MoeForConditionalGeneration"
     ),
 }
 
+#: Where every other architecture's ``AFD<Arch>`` comes from: the generic role-aware
+#: path, which splits vLLM's own model class (``afd models check`` says whether it can).
+GENERIC_MODULE = "afd_moe_runners.generic"
+#: Architecture names the generic path is registered for (generative models).
+GENERIC_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration")
+
 _registered = False
+
+
+def afd_alias_of(architecture: str) -> tuple[str, str]:
+    """``(AFD alias, "module:Class" providing it)`` for a checkpoint architecture: its
+    hand-written wrapper when afd has one, else the generic path's ``AFD<Arch>``."""
+    alias = AFD_ARCHITECTURES.get(architecture)
+    if alias is not None:
+        return alias, AFD_MODEL_ALIASES[alias]
+    alias = f"AFD{architecture}"
+    return alias, f"{GENERIC_MODULE}:{alias}"
 
 
 #: Loggers of the afd packages; vLLM configures only its own ("vllm") logger.
@@ -75,7 +85,9 @@ def configure_logging() -> None:
 
 
 def register() -> None:
-    """Register the AFD model aliases with vLLM's ModelRegistry (idempotent)."""
+    """Register the AFD model aliases with vLLM's ModelRegistry (idempotent): the
+    hand-written wrappers, and ``AFD<Arch>`` of the generic path for every other
+    generative architecture vLLM knows."""
     global _registered
     if _registered:
         return
@@ -87,4 +99,11 @@ def register() -> None:
         for arch, target in AFD_MODEL_ALIASES.items():
             if arch not in supported:
                 ModelRegistry.register_model(arch, target)
+        # Lazy "module:Class" strings: nothing is imported until a role builds one.
+        for arch in sorted(supported):
+            if arch.startswith("AFD") or not arch.endswith(GENERIC_SUFFIXES):
+                continue
+            alias, target = afd_alias_of(arch)
+            if alias not in supported and alias not in AFD_MODEL_ALIASES:
+                ModelRegistry.register_model(alias, target)
     _registered = True

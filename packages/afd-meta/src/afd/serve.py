@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from afd.plugin import AFD_ARCHITECTURES
+from afd.plugin import afd_alias_of
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDConfigError
 from afd_core.lifecycle import EXIT_REASON_ENV, read_exit_reasons
@@ -79,15 +79,14 @@ def afd_architecture(model: str, hf_overrides: dict[str, Any]) -> str:
                 'a local checkpoint directory or --hf-overrides \'{"architectures": ["AFD..."]}\''
             )
         archs = json.loads(config_path.read_text()).get("architectures") or []
-    arch = archs[0] if archs else ""
-    if arch in AFD_ARCHITECTURES.values():
-        return str(arch)
-    if arch not in AFD_ARCHITECTURES:
-        raise AFDConfigError(
-            f"architecture {arch!r} of {model!r} has no AFD wrapper; supported: "
-            f"{', '.join(sorted(AFD_ARCHITECTURES))}"
-        )
-    return AFD_ARCHITECTURES[arch]
+    arch = str(archs[0]) if archs else ""
+    if not arch:
+        raise AFDConfigError(f"the config of {model!r} names no architecture")
+    if arch.startswith("AFD"):
+        return arch
+    # A hand-written wrapper, else the generic path (it refuses a model it cannot split,
+    # naming the layer and why; `afd models check MODEL` tells before starting).
+    return afd_alias_of(arch)[0]
 
 
 def prepare_role_args(role: str, model: str, rest: list[str]) -> list[str]:

@@ -41,7 +41,7 @@ from afd_core.patching import scoped_globals
 from afd_core.weights import WeightOwner
 from afd_models_qwen.checks import reject_unsupported_options
 from afd_models_qwen.qwen3_5_moe_names import SUBSTITUTED_NAMES
-from afd_models_qwen.qwen3_moe import NoLMHead, strip_attention_moe
+from afd_models_qwen.qwen3_moe import strip_attention_moe
 from afd_models_qwen.weights import classify_qwen_weight
 from afd_moe_runners import role_model
 
@@ -67,7 +67,7 @@ class _Substituted:
                 "QwenGatedDeltaNetAttention": role_model.NoAttention,
                 "Qwen3NextAttention": role_model.NoAttention,
                 "VocabParallelEmbedding": PPMissingLayer,
-                "ParallelLMHead": NoLMHead,
+                "ParallelLMHead": role_model.NoLMHead,
             }
 
     def __enter__(self) -> None:

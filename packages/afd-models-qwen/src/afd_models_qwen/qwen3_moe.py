@@ -43,7 +43,7 @@ from afd_moe_runners import role_model
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AFDQwen3MoeForCausalLM", "NoLMHead", "SUBSTITUTED_NAMES", "strip_attention_moe"]
+__all__ = ["AFDQwen3MoeForCausalLM", "SUBSTITUTED_NAMES", "strip_attention_moe"]
 
 #: Names of vllm.model_executor.models.qwen3_moe replaced during construction (per
 #: role). tests/test_vllm_drift.py checks each is still defined and used where expected.
@@ -51,13 +51,6 @@ SUBSTITUTED_NAMES: dict[AFDRole, tuple[str, ...]] = {
     AFDRole.ATTENTION: ("FusedMoEFactory", "Qwen3MoeMLP"),
     AFDRole.FFN: ("Qwen3MoeAttention", "VocabParallelEmbedding", "ParallelLMHead"),
 }
-
-
-class NoLMHead(PPMissingLayer):
-    """FFN-role LM head placeholder; ``tie_weights`` is a no-op (nothing to tie)."""
-
-    def tie_weights(self, embed_tokens: nn.Module) -> NoLMHead:
-        return self
 
 
 def _attention_substitutions(afd: AFDConfig) -> dict[str, Any]:
@@ -76,7 +69,7 @@ def _ffn_substitutions() -> dict[str, Any]:
     return {
         "Qwen3MoeAttention": role_model.NoAttention,
         "VocabParallelEmbedding": PPMissingLayer,
-        "ParallelLMHead": NoLMHead,
+        "ParallelLMHead": role_model.NoLMHead,
     }
 
 

@@ -22,6 +22,14 @@ _get_slot_mappings / _build_attention_metadata / _model_forward``
     the AFD micro-batch plan (as vLLM's ``ubatch_slices``) through vLLM's own per-micro-
     batch metadata code; the overrides bind arguments by name, so only the names pinned
     below matter.
+``_ModelRegistry._try_load_model_cls(model_arch)``
+    the class vLLM registered for an architecture name, without a model config
+    (:func:`load_registered_model_class`); the generic role-aware path
+    (:mod:`afd_moe_runners.generic`) subclasses it.
+``vllm.model_executor.layers.rotary_embedding._ROPE_DICT``
+    ``get_rope``'s process-wide cache of rotary embeddings; the dry build of the split
+    plan (:func:`afd_moe_runners.split_plan.dry_build`, on the ``meta`` device) restores
+    it afterwards so no ``meta`` rotary embedding reaches the real build.
 ``vllm.forward_context._forward_context``
     the module global holding the current forward context; the micro-batch scheduler
     makes each micro-batch's context current when it gets the turn, as vLLM's own DBO
@@ -30,10 +38,16 @@ _get_slot_mappings / _build_attention_metadata / _model_forward``
 
 from __future__ import annotations
 
+from typing import Any
+
 SUPPORTED_VLLM = (0, 32)
 """``(major, minor)`` of the vLLM release line these runners are written against."""
 
 PRIVATE_VLLM_SYMBOLS: dict[str, tuple[str, ...]] = {
+    "vllm.model_executor.models.registry:_ModelRegistry._try_load_model_cls": (
+        "self",
+        "model_arch",
+    ),
     "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts._get_quant_method": (
         "self",
         "prefix",
@@ -134,3 +148,10 @@ def activate_forward_context(forward_context: object) -> None:
             "scheduler was written against vLLM 0.32 (set afd.num_micro_batches=1)"
         )
     fc._forward_context = forward_context  # type: ignore[attr-defined]
+
+
+def load_registered_model_class(architecture: str) -> Any:
+    """vLLM's model class for ``architecture``, or None when vLLM has none registered."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    return ModelRegistry._try_load_model_cls(architecture)

@@ -71,12 +71,6 @@ class ExternalRoutingForward(AttentionRunnerForward):
     ) -> None:
         where = f"AFD Attention-role MoE layer {layer_name!r} (compute_gate_on_attention=true)"
         require_remote_experts(where, routed_experts)
-        if gate is None:
-            raise AFDConfigError(
-                f"{where}: the model did not pass gate= to FusedMoEFactory, so there is no "
-                "gate to run on the Attention role; pass the block's gate or set "
-                "compute_gate_on_attention=false"
-            )
         unsupported = {
             "shared_expert_gate": shared_expert_gate,
             "routed_input_transform": routed_input_transform,
@@ -110,11 +104,18 @@ class ExternalRoutingForward(AttentionRunnerForward):
         self.routing_payload = RoutingPayload(routing_payload)
         self._init_exchange(layer_name, micro_batch_yield)
 
-    def route(self, hidden_states: torch.Tensor) -> AttentionToFFN:
-        """Apply the native gate (and router, for top-k payloads): the A->F payload."""
+    def route(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None
+    ) -> AttentionToFFN:
+        """Apply the native gate (and router, for top-k payloads): the A->F payload.
+
+        As vLLM's ``MoERunner``: a runner given ``gate=`` applies it; without one the
+        model applied its gate itself and passed ``router_logits``.
+        """
         gate = self.gate
-        assert gate is not None
-        router_logits, _ = gate(hidden_states)
+        if gate is not None:
+            router_logits, _ = gate(hidden_states)
+        assert router_logits is not None, "no gate and no router_logits"
         if self.routing_payload is RoutingPayload.ROUTER_LOGITS:
             return AttentionToFFN(hidden_states, router_logits=router_logits)
         topk_weights, topk_ids = self.router.select_experts(
@@ -133,9 +134,12 @@ class ExternalRoutingForward(AttentionRunnerForward):
         input_ids: torch.Tensor | None = None,
         shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # router_logits is the models' placeholder; the runner owns the gate in 0.32.
+        # router_logits: a placeholder when the runner owns the gate (most 0.32 models),
+        # else the logits of the model's own gate call.
         reject_unsupported_inputs(self.layer_name, input_ids, shared_experts_input)
-        pending = send_to_ffn(self.route(hidden_states), layer_idx=self.afd_layer_idx)
+        pending = send_to_ffn(
+            self.route(hidden_states, router_logits), layer_idx=self.afd_layer_idx
+        )
 
         # The shared experts overlap with the FFN role's routed experts.
         shared = self.shared_experts

@@ -13,7 +13,7 @@ import atexit
 import logging
 import weakref
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "AFDRoleModel",
     "NoAttention",
+    "NoGate",
+    "NoLMHead",
     "RemoteDenseMLP",
     "RoleRuntime",
     "afd_config_of",
@@ -54,6 +56,7 @@ __all__ = [
     "no_yield",
     "scheduler_yield",
     "parameter_inventory",
+    "reject_unsupported_options",
     "role_identity",
 ]
 
@@ -204,6 +207,63 @@ class NoAttention(nn.Module):
         )
 
 
+class NoLMHead(PPMissingLayer):
+    """FFN-role LM head placeholder; ``tie_weights`` is a no-op (nothing to tie)."""
+
+    def tie_weights(self, embed_tokens: nn.Module) -> NoLMHead:
+        return self
+
+
+class NoGate(nn.Module):
+    """Attention-role stand-in for a MoE block's router when the gate runs on FFN.
+
+    Blocks that call their gate themselves (``router_logits, _ = self.gate(x)``, then
+    ``self.experts(x, router_logits)``) get the hidden states back as the placeholder
+    logits, as vLLM's own blocks that hand the gate to the runner pass them; the
+    Attention-role runner sends the hidden states only.
+    """
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x, None
+
+
+def reject_unsupported_options(
+    vllm_config: Any, model_name: str, *, multimodal_capable: bool = False
+) -> None:
+    """Fail before any module is built for options the AFD split does not implement.
+
+    ``multimodal_capable``: the native architecture has a vision tower; AFD serves its
+    text model only, so ``--language-model-only`` (no image/video input) is required.
+    """
+    pc = vllm_config.parallel_config
+    if getattr(pc, "enable_eplb", False):
+        raise AFDConfigError(f"{model_name}: EPLB is not supported by afd; disable it")
+    if getattr(pc, "use_sequence_parallel_moe", False):
+        raise AFDConfigError(
+            f"{model_name}: sequence-parallel MoE (all2all_backend={pc.all2all_backend!r} "
+            "with data/expert parallelism) is not supported by afd; each AFD role computes "
+            "its MoE layers on whole token batches"
+        )
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise AFDConfigError(
+            f"{model_name}: speculative decoding (incl. MTP) is not supported by afd; remove "
+            "--speculative-config"
+        )
+    if getattr(vllm_config, "lora_config", None) is not None:
+        raise AFDConfigError(
+            f"{model_name}: LoRA is not supported by afd (adapters would have to be split "
+            "across the Attention and FFN roles); remove --enable-lora"
+        )
+    if multimodal_capable:
+        mm = getattr(vllm_config.model_config, "multimodal_config", None)
+        if mm is not None and not getattr(mm, "language_model_only", False):
+            raise AFDConfigError(
+                f"{model_name}: multimodal input is not supported by afd; the AFD wrapper "
+                "serves the text model only. Pass --language-model-only (image/video "
+                "inputs disabled, the vision tower is not built)"
+            )
+
+
 _CATEGORIES = (
     ("attention", (".self_attn.", ".linear_attn.", ".attn.")),
     ("routed_experts", (".experts.",)),
@@ -255,10 +315,21 @@ _FATAL = (AFDPeerLostError, AFDTimeoutError, AFDTransferMismatchError, AFDConfig
 class RoleRuntime:
     """Per-process AFD state of one role-aware model: connector, step metadata, checks."""
 
-    def __init__(self, model: nn.Module, afd: AFDConfig, vllm_config: VllmConfig) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        afd: AFDConfig,
+        vllm_config: VllmConfig,
+        *,
+        inventory: Callable[[nn.Module], dict[str, int]] = parameter_inventory,
+    ) -> None:
+        """``inventory``: parameters per category of a model (default: by name markers,
+        :func:`parameter_inventory`; the generic path passes its split plan's)."""
         self._model = weakref.ref(model)
+        self._inventory = inventory
         self.afd = afd
         self.inventory: dict[str, int] = {}
+        self.weight_stats = RoleWeightStats()
         self.connector: AFDConnector | None = None
         self.rank = (
             afd.rank if afd.rank is not None else vllm_config.parallel_config.data_parallel_rank
@@ -342,7 +413,7 @@ class RoleRuntime:
         return forward(*args, **kwargs)
 
     def _check_inventory(self, model: nn.Module, *, when: str) -> None:
-        inventory = parameter_inventory(model)
+        inventory = self._inventory(model)
         bad = {c: inventory[c] for c in _forbidden_categories(self.afd) if inventory.get(c)}
         if bad:
             raise AFDConfigError(
@@ -356,6 +427,7 @@ class RoleRuntime:
         model = self._model()
         assert model is not None
         self._check_inventory(model, when="loading")
+        self.weight_stats = stats
         logger.info(
             "AFD %s role parameter inventory: %s; checkpoint tensors %s",
             self.afd.role.value,

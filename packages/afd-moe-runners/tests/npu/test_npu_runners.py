@@ -301,10 +301,10 @@ class ReappliesTopkWeights(ExternalRoutingForward):
     """FAULT: top-k weighting applied again (weights renormalised a second time, which
     drops the routed scaling they carry)."""
 
-    def route(self, hidden_states: torch.Tensor) -> Any:
+    def route(self, hidden_states: torch.Tensor, router_logits: Any = None) -> Any:
         from afd_core.transfer import AttentionToFFN
 
-        first = super().route(hidden_states)
+        first = super().route(hidden_states, router_logits)
         weights = first.topk_weights / first.topk_weights.sum(dim=-1, keepdim=True)
         return AttentionToFFN(hidden_states, topk_ids=first.topk_ids, topk_weights=weights)
 

@@ -1,0 +1,295 @@
+"""Any vLLM MoE model as an AFD role model, with no code per family.
+
+``AFD<Architecture>`` (e.g. ``AFDMixtralForCausalLM``) is made on first use from vLLM's
+own ``<Architecture>`` class: :func:`role_model_class`, or this module's attribute of
+that name, which is what the vLLM plugin registers lazily for every architecture
+without a hand-written wrapper. Its constructor
+
+1. builds the native model once on the ``meta`` device and reads the split from it
+   (:func:`afd_moe_runners.split_plan.plan_split`: which decoder-layer children are
+   attention, which are FFN blocks, routers, shared experts; the embedding and LM
+   head), and refuses a model it cannot split, naming the layer and the reason;
+2. builds the native model for its role, with the classes found in step 1 replaced
+   for the constructor's duration in the model's own modules
+   (:func:`afd_core.patching.scoped_globals`), decided per module path: on the
+   Attention role ``FusedMoEFactory`` builds the AFD runner, dense MLPs become
+   parameter-free :class:`~afd_moe_runners.dense.RemoteDenseMLP` stand-ins and shared
+   experts are not built; on the FFN role attention / recurrent layers, the embedding
+   and the LM head are parameter-free placeholders;
+3. drops what the Attention role's MoE blocks must not own (shared-expert gates; the
+   router when the gate runs on FFN, replaced by :class:`~afd_moe_runners.role_model.
+   NoGate`), and checks each role's parameter inventory against the plan.
+
+Checkpoint tensors are assigned to roles by the same plan (vLLM paths after the
+model's own ``hf_to_vllm_mapper``), so no per-family weight table exists either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.models.utils import PPMissingLayer
+
+from afd_core.config import AFDConfig, AFDRole
+from afd_core.errors import AFDConfigError
+from afd_core.patching import scoped_globals
+from afd_core.weights import WeightOwner
+from afd_moe_runners import role_model
+from afd_moe_runners.split_plan import SplitPlan, dry_build, meta_tensors, plan_split
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ALIAS_PREFIX",
+    "GenericRoleModel",
+    "afd_alias",
+    "native_model_class",
+    "role_model_class",
+    "split_plan_of",
+]
+
+#: ``AFD<Architecture>``: the alias of an architecture's role-aware class.
+ALIAS_PREFIX = "AFD"
+
+
+def afd_alias(architecture: str) -> str:
+    return f"{ALIAS_PREFIX}{architecture}"
+
+
+def native_model_class(architecture: str) -> type[nn.Module]:
+    """vLLM's model class registered for ``architecture``; clear error when unknown."""
+    from afd_moe_runners._vllm_compat import load_registered_model_class
+
+    cls = load_registered_model_class(architecture)
+    if cls is None:
+        raise AFDConfigError(
+            f"vLLM has no model architecture {architecture!r} (see vLLM's supported "
+            "models); afd splits architectures vLLM itself can build"
+        )
+    return cls
+
+
+def split_plan_of(native: type[nn.Module], vllm_config: VllmConfig, prefix: str = "") -> SplitPlan:
+    """The split of ``native`` under ``vllm_config`` (a dry build on ``meta``)."""
+    architecture = native.__name__
+    return plan_split(dry_build(native, vllm_config, prefix), architecture)
+
+
+class _Intercepted:
+    """Stands in for a class in a model module during construction: the instances at
+    the given module paths (``prefix=`` argument) come from ``make``, the others from
+    the class itself; ``isinstance`` / ``issubclass`` checks against it see the class."""
+
+    def __init__(self, cls: type, make: dict[str, Callable[[str], Any]]) -> None:
+        self.cls = cls
+        self.make = make
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        prefix = kwargs.get("prefix")
+        make = self.make.get(prefix) if isinstance(prefix, str) else None
+        if make is not None:
+            return make(prefix)
+        return self.cls(*args, **kwargs)
+
+    def __instancecheck__(self, obj: Any) -> bool:
+        return isinstance(obj, self.cls)
+
+    def __subclasscheck__(self, sub: type) -> bool:
+        return issubclass(sub, self.cls)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cls, name)
+
+
+@functools.cache
+def _remote_dense_class(cls: type) -> type:
+    """A parameter-free :class:`RemoteDenseMLP` that is also an instance of ``cls`` (the
+    decoder layer's ``isinstance`` checks, e.g. fp16 rescaling, behave natively)."""
+
+    def __init__(self: Any, layer_idx: int) -> None:
+        nn.Module.__init__(self)  # not cls.__init__: it would build the weights
+        self.layer_idx = layer_idx
+        self.micro_batch_yield = role_model.scheduler_yield
+
+    return type(
+        f"Remote{cls.__name__}",
+        (role_model.RemoteDenseMLP, cls),
+        {"__init__": __init__, "__module__": __name__},
+    )
+
+
+def _interceptions(plan: SplitPlan, afd: AFDConfig) -> dict[type, dict[str, Callable[[str], Any]]]:
+    """Per class to intercept: module path -> what to build there instead."""
+    out: dict[type, dict[str, Callable[[str], Any]]] = {}
+    if afd.role is AFDRole.FFN:
+        for cls in plan.attention_classes:
+            out[cls] = dict.fromkeys(
+                plan.attention_prefixes(), lambda p: role_model.NoAttention(prefix=p)
+            )
+        for cls in plan.embedding_classes:
+            out[cls] = {
+                **dict.fromkeys(plan.embedding_prefixes, lambda p: PPMissingLayer()),
+                **dict.fromkeys(plan.lm_head_prefixes, lambda p: role_model.NoLMHead()),
+            }
+        return out
+    dense = plan.dense_prefixes()
+    shared = [f"{m}.{attr}" for m in plan.moe_prefixes() for attr in plan.moe_extra_modules]
+    for cls in plan.ffn_classes:
+        make: dict[str, Callable[[str], Any]] = dict.fromkeys(shared, lambda p: None)
+        for path, idx in dense.items():
+            make[path] = lambda p, idx=idx, cls=cls: _remote_dense_class(cls)(idx)
+        out[cls] = make
+    return out
+
+
+@contextlib.contextmanager
+def _role_construction(plan: SplitPlan, afd: AFDConfig) -> Iterator[None]:
+    """Replace, in the model's own modules, the names of the intercepted classes (and,
+    on the Attention role, ``FusedMoEFactory``) while the native constructor runs."""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    intercepted = _interceptions(plan, afd)
+    with contextlib.ExitStack() as stack:
+        for name in plan.modules:
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            subs: dict[str, Any] = {}
+            for attr, value in vars(module).items():
+                if isinstance(value, type) and value in intercepted:
+                    subs[attr] = _Intercepted(value, intercepted[value])
+                elif value is FusedMoEFactory and afd.role is AFDRole.ATTENTION:
+                    subs[attr] = role_model.attention_factory(afd, FusedMoEFactory)
+            if subs:
+                stack.enter_context(scoped_globals(module, subs))
+        yield
+
+
+def _strip_attention_moe(model: nn.Module, plan: SplitPlan, afd: AFDConfig) -> None:
+    """Drop what an Attention-role MoE block must not own (built natively, unused)."""
+    for path in plan.moe_prefixes():
+        block = model.get_submodule(path)
+        for attr in plan.moe_extra_attrs:
+            if getattr(block, attr, None) is not None:
+                setattr(block, attr, None)
+        if not afd.compute_gate_on_attention:
+            for attr in plan.gate_attrs:
+                if getattr(block, attr, None) is not None:
+                    setattr(block, attr, role_model.NoGate())
+
+
+def _default_prefix(native: type) -> str:
+    param = inspect.signature(native.__init__).parameters.get("prefix")
+    default = getattr(param, "default", "")
+    return default if isinstance(default, str) else ""
+
+
+class GenericRoleModel(role_model.AFDRoleModel):
+    """Role-aware construction of any vLLM MoE model (see the module docstring).
+
+    Concrete classes come from :func:`role_model_class`: ``AFD<Arch>`` subclasses this
+    and vLLM's ``<Arch>``.
+    """
+
+    afd_native_class: ClassVar[type[nn.Module]]
+    afd_plan: SplitPlan
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str | None = None) -> None:
+        native = self.afd_native_class
+        name = type(self).__name__
+        prefix = _default_prefix(native) if prefix is None else prefix
+        afd = role_model.afd_config_of(vllm_config)
+        role_model.check_supported_parallelism(vllm_config, name)
+        role_model.reject_unsupported_options(
+            vllm_config, name, multimodal_capable=_is_multimodal(native)
+        )
+        plan = split_plan_of(native, vllm_config, prefix)
+        if not plan.supported:
+            raise AFDConfigError(
+                f"{name}: afd cannot split {native.__name__} into Attention and FFN roles: "
+                + "; ".join(plan.problems)
+            )
+        with _role_construction(plan, afd):
+            native.__init__(self, vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
+        left = meta_tensors(self)  # type: ignore[arg-type]
+        if left:
+            raise AFDConfigError(
+                f"{name}: {len(left)} tensors of the real build are on the meta device "
+                f"({left[:3]}...): a layer of the dry build was reused through a cache"
+            )
+        self.afd_config = afd
+        self.afd_plan = plan
+        if afd.role is AFDRole.ATTENTION:
+            _strip_attention_moe(self, plan, afd)  # type: ignore[arg-type]
+        self.afd_runtime = role_model.RoleRuntime(
+            self,  # type: ignore[arg-type]
+            afd,
+            vllm_config,
+            inventory=plan.inventory,
+        )
+        logger.info(
+            "AFD %s role of %s from vLLM's own model: %d MoE, %d dense layers",
+            afd.role.value,
+            native.__name__,
+            len(plan.moe_prefixes()),
+            len(plan.dense_prefixes()),
+        )
+
+    def afd_decoder_layers(self) -> Any:
+        return self.get_submodule(self.afd_plan.layers_prefix)  # type: ignore[attr-defined]
+
+    def afd_ffn_blocks(self) -> dict[int, nn.Module]:
+        return self.afd_plan.ffn_blocks(self)  # type: ignore[arg-type]
+
+    def afd_classify_weight(self, name: str) -> WeightOwner:
+        mapper = getattr(self.afd_native_class, "hf_to_vllm_mapper", None)
+        vllm_name = mapper.map_name(name) if mapper is not None else name
+        if vllm_name is None:
+            return WeightOwner.BOTH  # the native loader skips it
+        return self.afd_plan.owner(
+            vllm_name, gate_on_attention=self.afd_config.compute_gate_on_attention
+        )
+
+
+def _is_multimodal(native: type) -> bool:
+    from vllm.model_executor.models.interfaces import supports_multimodal
+
+    return bool(supports_multimodal(native))
+
+
+_classes: dict[str, type] = {}
+
+
+def role_model_class(architecture: str) -> type:
+    """``AFD<architecture>``: the role-aware class of vLLM's ``architecture`` (made once
+    per process)."""
+    cls = _classes.get(architecture)
+    if cls is None:
+        native = native_model_class(architecture)
+        name = afd_alias(architecture)
+        cls = type(
+            name,
+            (GenericRoleModel, native),
+            {"__module__": __name__, "__qualname__": name, "afd_native_class": native},
+        )
+        _classes[architecture] = cls
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM resolves the plugin's lazy "afd_moe_runners.generic:AFD<Arch>" registrations
+    # (and pickles the classes) by this module's attributes.
+    if name.startswith(ALIAS_PREFIX) and len(name) > len(ALIAS_PREFIX):
+        try:
+            return role_model_class(name[len(ALIAS_PREFIX) :])
+        except AFDConfigError as exc:
+            raise AttributeError(str(exc)) from None
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
