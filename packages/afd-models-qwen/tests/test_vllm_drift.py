@@ -3,10 +3,18 @@
 The wrappers replace a few module-level names of vLLM's Qwen model files while vLLM's
 own constructors run (afd_core.patching.scoped_globals). These tests fail when upstream
 renames one of those names or stops calling it where we expect: exactly when the
-role-aware construction would silently build native modules again.
+role-aware construction would silently build native modules again. The seam that imports
+vLLM's qwen3_5 without torchvision (afd_models_qwen.qwen3_5_import) has its own checks:
+still needed, still sufficient, nothing left behind, other vLLM versions refused.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
 
 import pytest
 
@@ -76,16 +84,11 @@ def test_qwen3_next_block_still_calls_the_factory() -> None:
 
 
 def test_qwen3_5_constructors_still_call_the_substituted_names() -> None:
-    from afd_models_qwen.availability import qwen3_5_import_error
-
-    blocker = qwen3_5_import_error()
-    if blocker is not None:
-        pytest.skip(f"vLLM's qwen3_5 model file does not import here: {blocker}")
-    import vllm.model_executor.models.qwen3_5 as q5
-
     from afd_core.patching import referenced_globals
+    from afd_models_qwen.qwen3_5_import import import_qwen3_5
     from afd_models_qwen.qwen3_5_moe_names import SUBSTITUTED_NAMES
 
+    q5 = import_qwen3_5()
     for role, modules in SUBSTITUTED_NAMES.items():
         for name in modules.get("vllm.model_executor.models.qwen3_5", ()):
             assert hasattr(q5, name), f"{role.value}: qwen3_5.{name} is gone"
@@ -93,6 +96,136 @@ def test_qwen3_5_constructors_still_call_the_substituted_names() -> None:
     assert {"QwenGatedDeltaNetAttention", "Qwen3NextAttention", "Qwen3NextSparseMoeBlock"} <= layer
     assert "VocabParallelEmbedding" in referenced_globals(q5.Qwen3_5Model.__init__)
     assert "ParallelLMHead" in referenced_globals(q5.Qwen3_5ForCausalLMBase.__init__)
+
+
+# ------------------------------------------- the torchvision-free import of qwen3_5
+
+# One fresh interpreter (vLLM imported once, ~10 s): (1) vLLM's qwen3_5 imported plainly,
+# (2) through the seam with vLLM's version faked to another line, (3) through the seam.
+SEAM_PROBE = """
+import ast, json, sys, traceback
+import vllm.model_executor.models
+import vllm.version
+from afd_models_qwen import qwen3_5_import as seam
+
+report = {}
+try:
+    import vllm.model_executor.models.qwen3_5
+    report["plain"] = None
+except Exception as exc:
+    frames = [f.filename for f in traceback.extract_tb(exc.__traceback__)]
+    report["plain"] = {"type": type(exc).__name__, "name": getattr(exc, "name", None),
+                       "frames": frames}
+
+real_version = vllm.version.__version__
+vllm.version.__version__ = "0.99.0"
+try:
+    seam.import_qwen3_5()
+    report["other_version"] = None
+except Exception as exc:
+    report["other_version"] = {"type": type(exc).__name__, "message": str(exc),
+                               "cause": type(exc.__cause__).__name__}
+vllm.version.__version__ = real_version
+
+before = set(sys.modules)
+q5 = seam.import_qwen3_5()
+imported = sorted(set(sys.modules) - before)
+names = set()
+for mod_name in imported:
+    path = getattr(sys.modules[mod_name], "__file__", None) or ""
+    if not path.endswith(".py"):
+        continue
+    source = open(path, encoding="utf-8").read()
+    if seam.PLACEHOLDER_MODULE not in source:
+        continue
+    for node in ast.parse(source).body:  # module level only
+        if isinstance(node, ast.ImportFrom) and node.module == seam.PLACEHOLDER_MODULE:
+            names.update(alias.name for alias in node.names)
+parent = sys.modules["transformers.models.qwen2_vl"]
+report["seam"] = {
+    "classes": [c.__name__ for c in (q5.Qwen3_5MoeForCausalLM,
+                                     q5.Qwen3_5MoeForConditionalGeneration)],
+    "names_imported_from_placeholder": sorted(names),
+    "torchvision_imported": any(m.split(".")[0] == "torchvision" for m in sys.modules),
+    "placeholder_left_in_sys_modules": seam.PLACEHOLDER_MODULE in sys.modules,
+    "placeholder_left_on_parent": "image_processing_qwen2_vl" in vars(parent),
+    "hook_left_on_meta_path": any(type(f).__name__ == "_Qwen3_5ImportHook"
+                                  for f in sys.meta_path),
+    "loader": type(q5.__loader__).__name__,
+}
+try:
+    sys.modules["vllm.model_executor.models.qwen3_vl"].image_smart_resize(28, 28)
+    report["seam"]["placeholder_call"] = None
+except Exception as exc:
+    report["seam"]["placeholder_call"] = type(exc).__name__
+print("RESULT " + json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def seam_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from afd_models_qwen.qwen3_5_import import torchvision_missing
+
+    if not torchvision_missing():
+        pytest.skip("torchvision is installed: the qwen3_5 import seam stays inactive")
+    env = {**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("seam"))}
+    proc = subprocess.run(
+        [sys.executable, "-c", SEAM_PROBE],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return dict(json.loads(lines[-1][len("RESULT ") :]))
+
+
+def test_qwen3_5_still_needs_the_torchvision_seam(seam_report: dict[str, Any]) -> None:
+    """Fails when vLLM's qwen3_5 imports without torchvision (retire the seam), or fails
+    for another reason than transformers' torchvision-based Qwen2-VL image processor."""
+    plain = seam_report["plain"]
+    assert plain is not None, (
+        "vLLM's qwen3_5 now imports without torchvision: retire "
+        "afd_models_qwen.qwen3_5_import (and its call in afd.plugin)"
+    )
+    assert (plain["type"], plain["name"]) == ("ModuleNotFoundError", "torchvision"), plain
+    frames = plain["frames"]
+    chain = [f for f in frames if "/models/qwen3_5.py" in f or "/models/qwen3_vl.py" in f]
+    assert chain, frames
+    stood_in_for = "transformers/models/qwen2_vl/image_processing_qwen2_vl.py"
+    assert frames[-1].endswith(stood_in_for), (
+        f"torchvision is now imported by {frames[-1]}, not by the module the seam stands in for"
+    )
+
+
+def test_qwen3_5_imports_through_the_seam_and_leaves_nothing_behind(
+    seam_report: dict[str, Any],
+) -> None:
+    from afd_models_qwen.qwen3_5_import import PLACEHOLDER_NAMES
+
+    seam = seam_report["seam"]
+    assert seam["classes"] == ["Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"]
+    # Exactly the names the placeholder defines are imported from it at module level.
+    assert seam["names_imported_from_placeholder"] == sorted(PLACEHOLDER_NAMES), seam
+    assert not seam["torchvision_imported"], seam
+    assert not seam["placeholder_left_in_sys_modules"], seam
+    assert not seam["placeholder_left_on_parent"], seam
+    assert not seam["hook_left_on_meta_path"], seam
+    assert seam["loader"] == "SourceFileLoader", seam
+    assert seam["placeholder_call"] == "Qwen3_5ImageInputError", seam
+
+
+def test_qwen3_5_seam_refuses_other_vllm_versions_with_a_clear_error(
+    seam_report: dict[str, Any],
+) -> None:
+    other = seam_report["other_version"]
+    assert other is not None, "the seam applied to a vLLM version it was not written for"
+    assert other["type"] == "Qwen3_5ImportError" and other["cause"] == "ModuleNotFoundError"
+    message = other["message"]
+    assert "vLLM 0.99.0's vllm.model_executor.models.qwen3_5 imports torchvision" in message
+    assert "written for vLLM 0.32.x only" in message
 
 
 def test_scoped_globals_restores_on_error() -> None:

@@ -3,7 +3,10 @@
 vLLM calls :func:`register` in every process it starts (API server, engine core,
 workers, the model-inspection subprocess), possibly several times, so it must be
 idempotent and cheap. It only registers lazy ``module:Class`` strings; nothing
-heavy is imported until a model is actually built.
+heavy is imported until a model is actually built. It also prepares the torchvision-free
+import of vLLM 0.32's ``qwen3_5`` model file (:mod:`afd_models_qwen.qwen3_5_import`: a
+finder for that one module, only where torchvision is missing), so native vLLM, the
+model-inspection subprocess and both AFD roles can load Qwen3.5/3.6 text models there.
 """
 
 from __future__ import annotations
@@ -92,6 +95,10 @@ def register() -> None:
     if _registered:
         return
     configure_logging()
+    from afd_models_qwen.qwen3_5_import import install_import_hook
+
+    if install_import_hook():
+        logger.debug("vLLM's qwen3_5 will be imported without torchvision (text only)")
     if AFD_MODEL_ALIASES:
         from vllm import ModelRegistry
 

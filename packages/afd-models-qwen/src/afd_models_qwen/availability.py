@@ -8,20 +8,19 @@ import sys
 
 __all__ = ["qwen3_5_import_error"]
 
-_PROBE = "import vllm.model_executor.models.qwen3_5"
+_PROBE = "from afd_models_qwen.qwen3_5_import import import_qwen3_5; import_qwen3_5()"
 
 
 @functools.lru_cache(maxsize=1)
 def qwen3_5_import_error() -> str | None:
     """The last line of the error importing vLLM's ``qwen3_5`` model file, or None.
 
-    vLLM 0.32's ``qwen3_5`` imports ``qwen3_vl`` (the Qwen3.5 multimodal processor),
-    which imports transformers' Qwen2-VL image processor, which imports ``torchvision``
-    at module level, even for text-only checkpoints. Where torchvision is missing (the
-    CPU environment of this project: the only torchvision wheels for ``torch+cpu``
-    2.13 here are CUDA builds that fail to load) that import fails with
-    ``ModuleNotFoundError: No module named 'torchvision'``. Checked in a fresh
-    interpreter so the caller's process does not import vLLM.
+    Imported the way afd imports it (:func:`afd_models_qwen.qwen3_5_import.
+    import_qwen3_5`): on vLLM 0.32 without torchvision the file's torchvision-only
+    multimodal import is stood in for, so this is None on the CPU build. It names the
+    blocker elsewhere, e.g. another vLLM version whose ``qwen3_5`` still needs
+    torchvision (``Qwen3_5ImportError``). Checked in a fresh interpreter so the
+    caller's process does not import vLLM.
     """
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE], capture_output=True, text=True, check=False

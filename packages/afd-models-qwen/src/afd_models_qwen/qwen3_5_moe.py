@@ -21,16 +21,16 @@ FFN role
     placeholders; the MoE blocks are vLLM's own, served by the model-independent
     ``FFNLayerCompute``.
 
-Importing this module imports vLLM's ``qwen3_5`` model file, which imports
-``qwen3_vl`` and through it transformers' Qwen2-VL image processor; that needs
-``torchvision``. See the package README for the CPU status.
+Importing this module imports vLLM's ``qwen3_5`` model file through
+:func:`afd_models_qwen.qwen3_5_import.import_qwen3_5`: on vLLM 0.32 without torchvision
+(the CPU environment), that file's multimodal imports reach a torchvision-only
+transformers module, which a placeholder stands in for during that one import.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import vllm.model_executor.models.qwen3_5 as q5
 import vllm.model_executor.models.qwen3_next as qn
 from torch import nn
 from vllm.config import VllmConfig
@@ -40,10 +40,13 @@ from afd_core.config import AFDConfig, AFDRole
 from afd_core.patching import scoped_globals
 from afd_core.weights import WeightOwner
 from afd_models_qwen.checks import reject_unsupported_options
+from afd_models_qwen.qwen3_5_import import import_qwen3_5
 from afd_models_qwen.qwen3_5_moe_names import SUBSTITUTED_NAMES
 from afd_models_qwen.qwen3_moe import strip_attention_moe
 from afd_models_qwen.weights import classify_qwen_weight
 from afd_moe_runners import role_model
+
+q5 = import_qwen3_5()
 
 __all__ = [
     "AFDQwen3_5MoeForCausalLM",
