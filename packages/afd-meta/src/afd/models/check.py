@@ -85,16 +85,18 @@ def check_model(
     # A 1-rank world for the layers' parallel groups: this process's own if it has one
     # (a test session), else one made and torn down here.
     owned = not dist.is_initialized()
-    with tempfile.TemporaryDirectory(prefix="afd-models-check-") as tmp:
-        with set_current_vllm_config(config):
+    with (
+        tempfile.TemporaryDirectory(prefix="afd-models-check-") as tmp,
+        set_current_vllm_config(config),
+    ):
+        if owned:
+            init_distributed_environment(1, 0, f"file://{tmp}/rendezvous", 0, "gloo")
+        try:
+            ensure_model_parallel_initialized(1, 1)
+            plan = split_plan_of(native, config)
+        finally:
             if owned:
-                init_distributed_environment(1, 0, f"file://{tmp}/rendezvous", 0, "gloo")
-            try:
-                ensure_model_parallel_initialized(1, 1)
-                plan = split_plan_of(native, config)
-            finally:
-                if owned:
-                    cleanup_dist_env_and_memory()
+                cleanup_dist_env_and_memory()
     alias, provider = afd_alias_of(arch)
     return ModelCheck(model, arch, alias, provider, plan)
 
