@@ -15,21 +15,13 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-#: Checkpoint architecture -> AFD alias selected with ``--hf-overrides``.
-AFD_ARCHITECTURES: dict[str, str] = {
-    "DeepseekV32ForCausalLM": "AFDDeepseekV32ForCausalLM",
-    "Qwen3_5MoeForCausalLM": "AFDQwen3_5MoeForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration": "AFDQwen3_5MoeForConditionalGeneration",
-}
-
-#: AFD alias -> "module:Class" of its role-aware wrapper (resolved lazily by vLLM).
-AFD_MODEL_ALIASES: dict[str, str] = {
-    "AFDDeepseekV32ForCausalLM": "afd_models_deepseek.model:AFDDeepseekV32ForCausalLM",
-    "AFDQwen3_5MoeForCausalLM": "afd_models_qwen.qwen3_5_moe:AFDQwen3_5MoeForCausalLM",
-    "AFDQwen3_5MoeForConditionalGeneration": (
-        "afd_models_qwen.qwen3_5_moe:AFDQwen3_5MoeForConditionalGeneration"
-    ),
-}
+#: Checkpoint architecture -> AFD alias of a hand-written role-aware wrapper, and that
+#: alias -> "module:Class" (resolved lazily by vLLM). A wrapper here takes precedence
+#: over the generic path; none is needed today: every supported family, DeepSeek V2/V3/
+#: V3.2 and Qwen3-MoE / Qwen3.5 included, is split by the generic path. The maps stay as
+#: the extension point for a family the generic path cannot split.
+AFD_ARCHITECTURES: dict[str, str] = {}
+AFD_MODEL_ALIASES: dict[str, str] = {}
 
 #: Where every other architecture's ``AFD<Arch>`` comes from: the generic role-aware
 #: path, which splits vLLM's own model class (``afd models check`` says whether it can).
@@ -99,18 +91,17 @@ def register() -> None:
 
     if install_import_hook():
         logger.debug("vLLM's qwen3_5 will be imported without torchvision (text only)")
-    if AFD_MODEL_ALIASES:
-        from vllm import ModelRegistry
+    from vllm import ModelRegistry
 
-        supported = set(ModelRegistry.get_supported_archs())
-        for arch, target in AFD_MODEL_ALIASES.items():
-            if arch not in supported:
-                ModelRegistry.register_model(arch, target)
-        # Lazy "module:Class" strings: nothing is imported until a role builds one.
-        for arch in sorted(supported):
-            if arch.startswith("AFD") or not arch.endswith(GENERIC_SUFFIXES):
-                continue
-            alias, target = afd_alias_of(arch)
-            if alias not in supported and alias not in AFD_MODEL_ALIASES:
-                ModelRegistry.register_model(alias, target)
+    supported = set(ModelRegistry.get_supported_archs())
+    for arch, target in AFD_MODEL_ALIASES.items():
+        if arch not in supported:
+            ModelRegistry.register_model(arch, target)
+    # Lazy "module:Class" strings: nothing is imported until a role builds one.
+    for arch in sorted(supported):
+        if arch.startswith("AFD") or not arch.endswith(GENERIC_SUFFIXES):
+            continue
+        alias, target = afd_alias_of(arch)
+        if alias not in supported and alias not in AFD_MODEL_ALIASES:
+            ModelRegistry.register_model(alias, target)
     _registered = True

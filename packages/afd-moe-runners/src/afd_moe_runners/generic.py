@@ -14,7 +14,7 @@ without a hand-written wrapper. Its constructor
    (:func:`afd_core.patching.scoped_globals`), decided per module path: on the
    Attention role ``FusedMoEFactory`` builds the AFD runner, dense MLPs become
    parameter-free :class:`~afd_moe_runners.dense.RemoteDenseMLP` stand-ins and shared
-   experts are not built; on the FFN role attention / recurrent layers, the embedding
+   experts parameter-free placeholders (dropped after construction); on the FFN role attention / recurrent layers, the embedding
    and the LM head are parameter-free placeholders;
 3. drops what the Attention role's MoE blocks must not own (shared-expert gates; the
    router when the gate runs on FFN, replaced by :class:`~afd_moe_runners.role_model.
@@ -86,17 +86,26 @@ def split_plan_of(native: type[nn.Module], vllm_config: VllmConfig, prefix: str 
 class _Intercepted:
     """Stands in for a class in a model module during construction: the instances at
     the given module paths (``prefix=`` argument) come from ``make``, the others from
-    the class itself; ``isinstance`` / ``issubclass`` checks against it see the class."""
+    the class itself; ``isinstance`` / ``issubclass`` checks against it see the class.
+
+    Some constructors pass no ``prefix`` (vLLM builds most token embeddings without
+    one): when the class has a single path to replace, its first prefix-less instance
+    is that one. A guess that is wrong shows in the role's parameter inventory check.
+    """
 
     def __init__(self, cls: type, make: dict[str, Callable[[str], Any]]) -> None:
         self.cls = cls
         self.make = make
+        self.unnamed = next(iter(make.items())) if len(make) == 1 else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         prefix = kwargs.get("prefix")
-        make = self.make.get(prefix) if isinstance(prefix, str) else None
-        if make is not None:
-            return make(prefix)
+        if isinstance(prefix, str) and prefix in self.make:
+            return self.make[prefix](prefix)
+        if not prefix and self.unnamed is not None:
+            path, make = self.unnamed
+            self.unnamed = None
+            return make(path)
         return self.cls(*args, **kwargs)
 
     def __instancecheck__(self, obj: Any) -> bool:
@@ -126,6 +135,30 @@ def _remote_dense_class(cls: type) -> type:
     )
 
 
+@functools.cache
+def _absent_class(cls: type) -> type:
+    """A parameter-free stand-in that is an instance of ``cls``, for a shared expert the
+    Attention role must not build: the block's constructor still sees a module where
+    the native one would be (vLLM's blocks decide other arguments on ``is None``), and
+    the block drops it right after construction."""
+
+    def __init__(self: Any, prefix: str) -> None:
+        nn.Module.__init__(self)  # not cls.__init__: it would build the weights
+        self.afd_prefix = prefix
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"{self.afd_prefix}: the FFN role computes this module; it must not run on the "
+            "AFD Attention role"
+        )
+
+    return type(
+        f"Absent{cls.__name__}",
+        (cls,),
+        {"__init__": __init__, "forward": forward, "__module__": __name__},
+    )
+
+
 def _interceptions(plan: SplitPlan, afd: AFDConfig) -> dict[type, dict[str, Callable[[str], Any]]]:
     """Per class to intercept: module path -> what to build there instead."""
     out: dict[type, dict[str, Callable[[str], Any]]] = {}
@@ -134,16 +167,20 @@ def _interceptions(plan: SplitPlan, afd: AFDConfig) -> dict[type, dict[str, Call
             out[cls] = dict.fromkeys(
                 plan.attention_prefixes(), lambda p: role_model.NoAttention(prefix=p)
             )
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
         for cls in plan.embedding_classes:
-            out[cls] = {
-                **dict.fromkeys(plan.embedding_prefixes, lambda p: PPMissingLayer()),
-                **dict.fromkeys(plan.lm_head_prefixes, lambda p: role_model.NoLMHead()),
-            }
+            if issubclass(cls, ParallelLMHead):
+                out[cls] = dict.fromkeys(plan.lm_head_prefixes, lambda p: role_model.NoLMHead())
+            else:
+                out[cls] = dict.fromkeys(plan.embedding_prefixes, lambda p: PPMissingLayer())
         return out
     dense = plan.dense_prefixes()
     shared = [f"{m}.{attr}" for m in plan.moe_prefixes() for attr in plan.moe_extra_modules]
     for cls in plan.ffn_classes:
-        make: dict[str, Callable[[str], Any]] = dict.fromkeys(shared, lambda p: None)
+        make: dict[str, Callable[[str], Any]] = dict.fromkeys(
+            shared, lambda p, cls=cls: _absent_class(cls)(p)
+        )
         for path, idx in dense.items():
             make[path] = lambda p, idx=idx, cls=cls: _remote_dense_class(cls)(idx)
         out[cls] = make

@@ -321,13 +321,14 @@ def _num_experts(runner: nn.Module) -> int | None:
 
 
 def _definition_modules(model: nn.Module) -> tuple[str, ...]:
-    """Modules defining the model's own classes (not vLLM's layer library or torch)."""
+    """Modules defining the model's own classes and their bases (not vLLM's layer
+    library or torch)."""
     library = ("torch.", "vllm.model_executor.layers.", "vllm.attention.", "vllm.v1.")
     names: dict[str, None] = {}
-    for cls in type(model).__mro__:
-        names.setdefault(cls.__module__, None)
     for module in model.modules():
-        names.setdefault(type(module).__module__, None)
+        # Base classes too: a subclass's constructor may run its base's (another module).
+        for cls in type(module).__mro__:
+            names.setdefault(cls.__module__, None)
     return tuple(
         n for n in names if not n.startswith(library) and n not in ("builtins", "abc", "typing")
     )
