@@ -90,11 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="model utilities")
     msub = models.add_subparsers(dest="models_command", required=True)
     tiny = msub.add_parser("tiny", help="generate a tiny seeded checkpoint (nothing downloaded)")
-    tiny.add_argument(
-        "--arch",
-        required=True,
-        choices=["deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen3_5_moe_text"],
-    )
+    from afd.models.tiny import TINY_ARCHS  # cheap: torch/transformers load on use
+
+    tiny.add_argument("--arch", required=True, choices=list(TINY_ARCHS))
     tiny.add_argument("--out", required=True, help="output directory")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--variant", default=None)

@@ -3,7 +3,7 @@
 ``generate_tiny_checkpoint(arch, out_dir)`` writes a Hugging Face style checkpoint
 directory (``config.json``, ``model.safetensors``, ``tokenizer.json``,
 ``tokenizer_config.json`` ...) that vLLM 0.32's CPU build loads as-is. The configs are
-small (3 layers, hidden 128, 8-16 routed experts, top-2) but keep every structural
+small (3-4 layers, hidden 128, 8-16 routed experts, top-2) but keep every structural
 feature the AFD split must handle:
 
 * ``deepseek_v2``: MLA (``kv_lora_rank=512``, ``qk_rope_head_dim=64``: the only latent
@@ -18,6 +18,36 @@ feature the AFD split must handle:
   ``model_type=qwen3_5_moe_text``): hybrid layers (Gated DeltaNet linear attention
   ``linear_attention`` x3, then gated full attention), every layer MoE with a gated
   shared expert, ``norm_topk_prob=True``.
+* ``mixtral``: GQA attention, every layer MoE (``block_sparse_moe``, experts ``w1/w2/w3``),
+  softmax top-2 renormalised, no shared expert, no dense layer.
+* ``glm4_moe``: layer 0 dense (``first_k_dense_replace=1``), then MoE with one shared
+  expert, sigmoid grouped top-k (``n_group=4``, ``topk_group=2``) with a random fp32
+  ``e_score_correction_bias`` buffer, ``routed_scaling_factor=2.5``; attention with q/k/v
+  biases, q/k norms and partial RoPE (``partial_rotary_factor=0.5``) as GLM-4.5.
+* ``ernie4_5_moe``: layer 0 dense (``moe_layer_start_index=1``), then MoE with 2 shared
+  experts (one MLP of 2 x ``moe_intermediate_size``), softmax top-2 chosen with a random
+  fp32 ``moe_statics.e_score_correction_bias`` (a parameter, shape ``(1, experts)``).
+* ``qwen3_next``: hybrid layers like ``qwen3_5_moe_text`` (Gated DeltaNet x3, then gated
+  full attention; linear key/value head size 128, what the CPU GDN kernel supports),
+  every layer MoE with a sigmoid-gated shared expert.
+* ``gpt_oss``: alternating sliding-window (16) / full attention with q/k/v/o biases and
+  per-head sinks, head size 64, YaRN RoPE; every layer MoE with a biased router and fused
+  biased experts (``experts.gate_up_proj`` stored ``(experts, in, out)``, SwiGLU-OAI).
+* ``minimax_m2``: every layer MoE (``block_sparse_moe``), sigmoid top-2 with a random fp32
+  ``e_score_correction_bias`` buffer (``use_routing_bias``), per-layer q/k norms over all
+  heads, partial RoPE (``rotary_dim`` = half the head).
+* ``olmoe``: every layer MoE, softmax top-2 without renormalisation, q/k norms over all
+  heads, no shared expert.
+* ``qwen2_moe``: every layer MoE with a sigmoid-gated shared expert, q/k/v biases,
+  ``norm_topk_prob=False``.
+
+All of them generate in transformers. On vLLM 0.32's CPU build (``afd.reference``) all
+run greedy deterministically in bf16 and fp32 except: ``minimax_m2`` does not run (the
+CPU router takes sigmoid scoring only through grouped top-k: ``AssertionError`` in
+``CPURouter``); ``qwen3_5_moe_text``'s vLLM model file needs torchvision (see
+afd-models-qwen's README); ``qwen3_next`` runs in bf16 only (the CPU GDN kernel asserts
+bf16); ``ernie4_5_moe`` runs but the CPU router drops its correction bias (plain softmax
+top-k), so its CPU tokens differ from transformers'.
 
 ``size="bench"`` (``TINY_SIZES``) gives a bench-size checkpoint of the same architecture
 (``qwen3_moe``: hidden 512, 8 MoE layers, 16 experts top-4, ~57M parameters;
@@ -29,8 +59,9 @@ stamp, so a tiny directory is never taken for a bench one or the other way round
 Weights are drawn from one ``torch.Generator`` seeded with ``seed`` (parameters visited
 in name order), scaled ``1/sqrt(fan_in)`` so activations, router logits and output
 logits are O(1): routing differs from token to token and greedy argmax margins are
-wide. The same (arch, variant, seed) gives byte-identical files. A stamp file,
-``afd_checkpoint.json``, makes generation idempotent.
+wide. Norm weights are near 1, linear biases small (std 0.1), router correction biases
+smaller (std 0.05, kept fp32). The same (arch, variant, seed) gives byte-identical
+files. A stamp file, ``afd_checkpoint.json``, makes generation idempotent.
 
 Heavy imports (torch, transformers, tokenizers) happen inside the functions that need
 them, so importing this module is cheap.
@@ -98,10 +129,14 @@ class TinySpec:
     model_cls: str
     build: Callable[[str | None], dict[str, Any]]
     variants: tuple[str, ...] = ()
-    #: Persistent buffers (by attribute name) that are checkpoint weights and get a
-    #: random init too, e.g. DeepSeek-V3's ``e_score_correction_bias``.
+    #: Router correction biases (by attribute name): persistent buffers, or parameters,
+    #: that are checkpoint weights, get a small random init (``_BIAS_STD``) and stay
+    #: fp32, e.g. DeepSeek-V3's ``e_score_correction_bias``.
     extra_buffers: tuple[str, ...] = ()
     bench: Callable[[str | None], dict[str, Any]] | None = None
+    #: Parameters (by name suffix) stored ``(..., in, out)``, whose fan-in is
+    #: ``shape[-2]``, e.g. GPT-OSS's fused ``experts.gate_up_proj``.
+    transposed: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- configs
@@ -258,6 +293,163 @@ def _qwen3_5_moe_text(variant: str | None) -> dict[str, Any]:
     }
 
 
+# Common to the GQA families below: 4 query heads of 32 (the CPU attention supports
+# head sizes 32/64/128), 2 KV heads, 8 routed experts top-2.
+_GQA_COMMON: dict[str, Any] = {
+    "hidden_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts_per_tok": 2,
+    "hidden_act": "silu",
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
+
+def _mixtral(variant: str | None) -> dict[str, Any]:
+    _no_variants("mixtral", variant)
+    return {
+        **_GQA_COMMON,
+        "intermediate_size": 64,  # the experts' (Mixtral has no dense layers)
+        "num_local_experts": 8,
+        "sliding_window": None,
+    }
+
+
+def _glm4_moe(variant: str | None) -> dict[str, Any]:
+    _no_variants("glm4_moe", variant)
+    return {
+        **_GQA_COMMON,
+        "intermediate_size": 256,  # layer 0 (dense)
+        "moe_intermediate_size": 64,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "n_group": 4,  # grouped top-k: 4 groups of 2, the best 2 groups
+        "topk_group": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "partial_rotary_factor": 0.5,  # as GLM-4.5: RoPE on half of each head
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "num_nextn_predict_layers": 0,
+    }
+
+
+def _ernie4_5_moe(variant: str | None) -> dict[str, Any]:
+    _no_variants("ernie4_5_moe", variant)
+    return {
+        **_GQA_COMMON,
+        "intermediate_size": 256,  # layer 0 (dense)
+        "moe_intermediate_size": 64,
+        "moe_num_experts": 8,
+        "moe_k": 2,
+        "moe_num_shared_experts": 2,  # as ERNIE-4.5-21B-A3B: one MLP of 2 x 64
+        "moe_layer_start_index": 1,
+        "moe_layer_end_index": 2,
+        "moe_layer_interval": 1,
+        "use_bias": False,
+    }
+
+
+def _qwen3_next(variant: str | None) -> dict[str, Any]:
+    _no_variants("qwen3_next", variant)
+    return {
+        **_GQA_COMMON,
+        "num_hidden_layers": 4,
+        "layer_types": [
+            "linear_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+        ],
+        "intermediate_size": 256,  # mlp_only layers (none)
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,  # the CPU GDN kernel supports 128 (as real models)
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "num_experts": 8,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+def _gpt_oss(variant: str | None) -> dict[str, Any]:
+    _no_variants("gpt_oss", variant)
+    return {
+        **_GQA_COMMON,
+        "num_hidden_layers": 4,  # sliding / full attention alternate
+        "head_dim": 64,  # as gpt-oss
+        "intermediate_size": 64,  # the experts' (2 x 64 = hidden: gate_up is square)
+        "num_local_experts": 8,
+        "sliding_window": 16,  # real: 128; 16 so that the reference prompts use it
+        "attention_bias": True,
+        "rms_norm_eps": 1e-5,  # vLLM hard-codes 1e-5
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 128,
+        },
+    }
+
+
+def _minimax_m2(variant: str | None) -> dict[str, Any]:
+    _no_variants("minimax_m2", variant)
+    return {
+        **_GQA_COMMON,
+        "intermediate_size": 64,  # the experts' (MiniMax-M2 has no dense layers)
+        "num_local_experts": 8,
+        # The fields of the released config.json that vLLM reads.
+        "rotary_dim": 16,  # partial RoPE: half of each head, as MiniMax-M2 (64 of 128)
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+        "use_qk_norm": True,
+        "qk_norm_type": "per_layer",
+    }
+
+
+def _olmoe(variant: str | None) -> dict[str, Any]:
+    _no_variants("olmoe", variant)
+    cfg = {
+        **_GQA_COMMON,
+        "intermediate_size": 64,  # the experts' (OLMoE has no dense layers)
+        "num_experts": 8,
+        "norm_topk_prob": False,
+        "rms_norm_eps": 1e-5,  # vLLM hard-codes 1e-5 (as OLMoE)
+    }
+    del cfg["head_dim"]  # OLMoE derives it (hidden / heads = 32)
+    return cfg
+
+
+def _qwen2_moe(variant: str | None) -> dict[str, Any]:
+    _no_variants("qwen2_moe", variant)
+    cfg = {
+        **_GQA_COMMON,
+        "intermediate_size": 256,  # mlp_only layers (none)
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 128,
+        "num_experts": 8,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "qkv_bias": True,
+        "use_sliding_window": False,
+    }
+    del cfg["head_dim"]  # Qwen2-MoE derives it (hidden / heads = 32)
+    return cfg
+
+
 def _no_variants(arch: str, variant: str | None) -> None:
     if variant is not None:
         raise ValueError(f"{arch} has no variants (got {variant!r})")
@@ -297,6 +489,46 @@ register_tiny_arch(
 register_tiny_arch(
     TinySpec("qwen3_5_moe_text", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _qwen3_5_moe_text)
 )
+register_tiny_arch(TinySpec("mixtral", "MixtralConfig", "MixtralForCausalLM", _mixtral))
+register_tiny_arch(
+    TinySpec(
+        "glm4_moe",
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        _glm4_moe,
+        extra_buffers=("e_score_correction_bias",),
+    )
+)
+register_tiny_arch(
+    TinySpec(
+        "ernie4_5_moe",
+        "Ernie4_5_MoeConfig",
+        "Ernie4_5_MoeForCausalLM",
+        _ernie4_5_moe,
+        extra_buffers=("e_score_correction_bias",),  # a parameter of moe_statics
+    )
+)
+register_tiny_arch(TinySpec("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", _qwen3_next))
+register_tiny_arch(
+    TinySpec(
+        "gpt_oss",
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        _gpt_oss,
+        transposed=("experts.gate_up_proj", "experts.down_proj"),
+    )
+)
+register_tiny_arch(
+    TinySpec(
+        "minimax_m2",
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        _minimax_m2,
+        extra_buffers=("e_score_correction_bias",),
+    )
+)
+register_tiny_arch(TinySpec("olmoe", "OlmoeConfig", "OlmoeForCausalLM", _olmoe))
+register_tiny_arch(TinySpec("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", _qwen2_moe))
 
 
 def _spec(arch: str) -> TinySpec:
@@ -494,22 +726,33 @@ def _save_tokenizer(out: Path, model_max_length: int = 512) -> None:
 #: with std ~0.2; a 0.05 bias changes about half of the tiny V3's top-2 picks while
 #: keeping every expert in use.
 _BIAS_STD = 0.05
+#: Std of 1-D linear biases (no existing arch before GLM-4.5 / Qwen2-MoE / GPT-OSS had
+#: any): small against O(1) activations, large enough that a skipped load shows.
+_LINEAR_BIAS_STD = 0.1
 
 
-def _init_weights(model: Any, seed: int, extra_buffers: tuple[str, ...]) -> None:
+def _init_weights(
+    model: Any, seed: int, extra_buffers: tuple[str, ...], transposed: tuple[str, ...] = ()
+) -> None:
     """Seeded O(1)-scale init, independent of transformers' own init scheme."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            if p.ndim == 1:
+            if name.rsplit(".", 1)[-1] in extra_buffers:
+                # A router correction bias held as a parameter (ERNIE-4.5's moe_statics).
+                p.copy_(_BIAS_STD * torch.randn(p.shape, generator=gen))
+            elif p.ndim == 1 and name.endswith(".bias"):
+                # Linear biases (attention q/k/v/o, GPT-OSS's router): small, non-zero.
+                p.copy_(_LINEAR_BIAS_STD * torch.randn(p.shape, generator=gen))
+            elif p.ndim == 1:
                 # Norm weights: near 1, but not exactly (a skipped load would show).
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith("embed_tokens.weight"):
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
-                fan_in = p.shape[-1]
+                fan_in = p.shape[-2] if name.endswith(transposed) else p.shape[-1]
                 p.copy_(torch.randn(p.shape, generator=gen) / fan_in**0.5)
         for name, b in sorted(model.named_buffers(), key=lambda kv: kv[0]):
             if name.rsplit(".", 1)[-1] in extra_buffers:
@@ -598,16 +841,15 @@ def generate_tiny_checkpoint(
         finally:
             torch.set_default_dtype(prev_dtype)
         model.eval()
-        _init_weights(model, seed, spec.extra_buffers)
+        _init_weights(model, seed, spec.extra_buffers, spec.transposed)
         # Stored in bf16 like real DeepSeek/Qwen checkpoints (fp32 and bf16 runs then
         # start from identical values); router correction biases stay fp32.
+        tensors = [*model.named_buffers(), *model.named_parameters()]
         keep_fp32 = {
-            n: b.detach().clone()
-            for n, b in model.named_buffers()
-            if n.rsplit(".", 1)[-1] in spec.extra_buffers
+            n: b.detach().clone() for n, b in tensors if n.rsplit(".", 1)[-1] in spec.extra_buffers
         }
         model.to(torch.bfloat16)
-        for name, b in model.named_buffers():
+        for name, b in [*model.named_buffers(), *model.named_parameters()]:
             if name in keep_fp32:
                 b.data = keep_fp32[name]
         model.save_pretrained(str(tmp))
