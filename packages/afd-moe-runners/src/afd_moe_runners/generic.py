@@ -14,8 +14,9 @@ without a hand-written wrapper. Its constructor
    (:func:`afd_core.patching.scoped_globals`), decided per module path: on the
    Attention role ``FusedMoEFactory`` builds the AFD runner, dense MLPs become
    parameter-free :class:`~afd_moe_runners.dense.RemoteDenseMLP` stand-ins and shared
-   experts parameter-free placeholders (dropped after construction); on the FFN role attention / recurrent layers, the embedding
-   and the LM head are parameter-free placeholders;
+   experts parameter-free placeholders (dropped after construction); on the FFN role
+   attention / recurrent layers, the embedding and the LM head are parameter-free
+   placeholders;
 3. drops what the Attention role's MoE blocks must not own (shared-expert gates; the
    router when the gate runs on FFN, replaced by :class:`~afd_moe_runners.role_model.
    NoGate`), and checks each role's parameter inventory against the plan.
