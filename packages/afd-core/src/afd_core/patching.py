@@ -39,8 +39,11 @@ class PatchDriftError(AFDError, RuntimeError):
 
 
 @contextmanager
-def scoped_globals(module: ModuleType, replacements: Mapping[str, Any]) -> Iterator[None]:
-    """Replace ``module.<name>`` for each item while the block runs; always restore."""
+def scoped_globals(module: ModuleType | type, replacements: Mapping[str, Any]) -> Iterator[None]:
+    """Replace ``module.<name>`` for each item while the block runs; always restore.
+
+    ``module`` may also be a class: a constructor that builds a submodule through a class
+    attribute (``self.attention_cls(...)``) is redirected the same way."""
     missing = [name for name in replacements if not hasattr(module, name)]
     if missing:
         raise PatchDriftError(

@@ -55,6 +55,7 @@ __all__ = [
 ]
 
 _FACTORY_KWARGS = ("runner_cls", "runner_args", "routed_experts_cls", "routed_experts_args")
+_RUNNER_KWARGS = ("runner_cls", "runner_args")
 
 
 def current_platform_name() -> str:
@@ -219,7 +220,9 @@ def build_afd_moe(
     ``factory`` is the factory to call (default: vLLM's ``FusedMoEFactory``); a model
     wrapper passes the name its model module calls.
     """
-    clash = sorted(k for k in _FACTORY_KWARGS if factory_kwargs.get(k) is not None)
+    # A model's own routed-experts class (gpt-oss passes one) is for the FFN role, which
+    # builds the layer natively; on the Attention role AFD's weightless experts replace it.
+    clash = sorted(k for k in _RUNNER_KWARGS if factory_kwargs.get(k) is not None)
     if clash:
         raise AFDConfigError(
             f"{factory_kwargs.get('prefix', 'build_afd_moe')}: {clash} are chosen by AFD from "

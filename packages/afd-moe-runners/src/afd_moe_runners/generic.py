@@ -195,19 +195,32 @@ def _role_construction(plan: SplitPlan, afd: AFDConfig) -> Iterator[None]:
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
     intercepted = _interceptions(plan, afd)
+
+    def substitutions(namespace: dict[str, Any]) -> dict[str, Any]:
+        subs: dict[str, Any] = {}
+        for attr, value in namespace.items():
+            if isinstance(value, type) and value in intercepted:
+                subs[attr] = _Intercepted(value, intercepted[value])
+            elif value is FusedMoEFactory and afd.role is AFDRole.ATTENTION:
+                subs[attr] = role_model.attention_factory(afd, FusedMoEFactory)
+        return subs
+
     with contextlib.ExitStack() as stack:
         for name in plan.modules:
             module = sys.modules.get(name)
             if module is None:
                 continue
-            subs: dict[str, Any] = {}
-            for attr, value in vars(module).items():
-                if isinstance(value, type) and value in intercepted:
-                    subs[attr] = _Intercepted(value, intercepted[value])
-                elif value is FusedMoEFactory and afd.role is AFDRole.ATTENTION:
-                    subs[attr] = role_model.attention_factory(afd, FusedMoEFactory)
-            if subs:
-                stack.enter_context(scoped_globals(module, subs))
+            # Module globals (``Attention(...)``) and the class attributes of the
+            # module's own classes (``attention_cls = OAIAttention``, built by
+            # ``self.attention_cls(...)``).
+            targets: list[Any] = [module]
+            targets += [
+                v for v in vars(module).values() if isinstance(v, type) and v.__module__ == name
+            ]
+            for target in targets:
+                subs = substitutions(dict(vars(target)))
+                if subs:
+                    stack.enter_context(scoped_globals(target, subs))
         yield
 
 

@@ -1,0 +1,152 @@
+"""More MoE families through the generic role-aware path (afd_moe_runners.generic): no
+afd code is written for any of them. For each: greedy tokens equal to native vLLM in a
+batch (vllm.LLM) and served one request at a time (afd serve / vllm serve), both gate
+placements, 1A1F (Mixtral also 2A1F); the role inventories; and every checkpoint tensor
+loaded by exactly one role or by both, as the split plan says.
+
+One family runs in the default run (Mixtral, batched, gate on FFN); the rest is
+``matrix`` (`nox -s tests-matrix`, which CI runs after the default run).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from afd_processes import (
+    Server,
+    afd_settings,
+    assert_role_inventories,
+    assert_same_tokens,
+    offline_greedy,
+    run_offline_afd,
+    run_served_afd,
+)
+
+from afd.reference import FIXED_PROMPTS
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
+
+MATRIX = pytest.mark.matrix
+#: Tiny arch -> the checkpoint's vLLM architecture (its AFD alias is AFD<architecture>).
+FAMILIES = {
+    "mixtral": "MixtralForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
+PROMPTS = list(FIXED_PROMPTS)
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    import os
+
+    from afd.models.tiny import checkpoint_name, generate_tiny_checkpoint
+
+    cache = os.environ.get("AFD_CACHE_DIR")
+    root = Path(cache) / "tiny" if cache else tmp_path_factory.mktemp("tiny-families")
+
+    def get(arch: str) -> Path:
+        return generate_tiny_checkpoint(arch, root / checkpoint_name(arch))
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def native(family_models: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Native vLLM's greedy tokens per (arch, "batched" | "served"), computed once."""
+    cache: dict[tuple[str, str], list[list[int]]] = {}
+
+    def get(arch: str, how: str) -> list[list[int]]:
+        if (arch, how) not in cache:
+            tmp = tmp_path_factory.mktemp(f"native-{how}-{arch}")
+            model = family_models(arch)
+            if how == "batched":
+                cache[arch, how] = offline_greedy(model, tmp / "native.json", tmp)["token_ids"]
+            else:
+                server = Server.native(model, tmp)
+                try:
+                    server.wait_ready()
+                    cache[arch, how] = [server.complete(p) for p in PROMPTS]
+                finally:
+                    server.kill()
+        return cache[arch, how]
+
+    return get
+
+
+_KEPT = re.compile(
+    r"AFD (\w+) role parameter inventory: .*?; checkpoint tensors kept \d+ \(([^)]*)\)"
+)
+
+
+def _kept(log: str, role: str) -> dict[str, int]:
+    found = [m for m in _KEPT.finditer(log) if m.group(1) == role]
+    assert found, f"no {role} weight summary in the log:\n{log[-3000:]}"
+    items = [kv.split("=") for kv in found[-1].group(2).split(", ") if kv]
+    return {k: int(v) for k, v in items}
+
+
+def _assert_split(attention_log: str, ffn_log: str, model: Path, gate: str) -> None:
+    """Inventories per role, and each checkpoint tensor loaded by one role or both."""
+    from safetensors import safe_open
+
+    assert_role_inventories(attention_log, ffn_log, gate_on_attention=gate.startswith("attention"))
+    assert "from vLLM's own model" in attention_log  # the generic path built it
+    attention, ffn = _kept(attention_log, "attention"), _kept(ffn_log, "ffn")
+    assert attention.get("both", 0) == ffn.get("both", 0)
+    assert "ffn" not in attention and "attention" not in ffn
+    total = 0
+    for shard in model.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            total += len(list(f.keys()))
+    loaded = attention.get("attention", 0) + ffn.get("ffn", 0) + attention.get("both", 0)
+    assert loaded == total, (attention, ffn, total)
+
+
+CASES = [
+    ("mixtral", "ffn"),
+    pytest.param("mixtral", "attention-topk", marks=MATRIX),
+    *(
+        pytest.param(arch, gate, marks=MATRIX)
+        for arch in FAMILIES
+        if arch != "mixtral"
+        for gate in ("ffn", "attention-topk")
+    ),
+]
+
+
+@pytest.mark.parametrize(("arch", "gate"), CASES)
+def test_batched_tokens_equal_native(
+    family_models: Any, native: Any, tmp_path: Path, arch: str, gate: str
+) -> None:
+    model = family_models(arch)
+    result, ffn_log = run_offline_afd(model, f"AFD{FAMILIES[arch]}", afd_settings(gate), tmp_path)
+    assert_same_tokens(result["token_ids"], native(arch, "batched"), PROMPTS)
+    _assert_split(result["log"], ffn_log, model, gate)
+
+
+@MATRIX
+@pytest.mark.parametrize("gate", ["ffn", "attention-topk"])
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_served_tokens_equal_native(
+    family_models: Any, native: Any, tmp_path: Path, arch: str, gate: str
+) -> None:
+    model = family_models(arch)
+    got, attention_log, ffn_log = run_served_afd(model, afd_settings(gate), tmp_path, PROMPTS)
+    assert_same_tokens(got, native(arch, "served"), PROMPTS, "native vllm serve")
+    _assert_split(attention_log, ffn_log, model, gate)
+
+
+@MATRIX
+def test_mixtral_2a1f_served_tokens_equal_native(
+    family_models: Any, native: Any, tmp_path: Path
+) -> None:
+    afd = afd_settings("ffn", num_attention_ranks=2)
+    got, attention_log, ffn_log = run_served_afd(family_models("mixtral"), afd, tmp_path, PROMPTS)
+    assert_same_tokens(got, native("mixtral", "served"), PROMPTS, "native vllm serve")
+    _assert_split(attention_log, ffn_log, family_models("mixtral"), "ffn")
