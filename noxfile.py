@@ -129,8 +129,10 @@ def tests(session: nox.Session) -> None:
 def tests_matrix(session: nox.Session) -> None:
     """The rest of the end-to-end and conformance matrices (``@pytest.mark.matrix``):
     every case of a matrix whose representative cases ``tests`` runs. CI runs it after
-    the default run (``.ci/run``); nothing here is skipped on CPU that ``tests`` runs."""
-    sync(session, "--group", "test")
+    the default run (``.ci/run``); nothing here is skipped on CPU that ``tests`` runs.
+    It also installs the meta package's ``ray`` extra: ``afd launch --ray`` runs here,
+    on a one-node Ray cluster on loopback (tests/e2e/test_ray_launch.py)."""
+    sync(session, "--group", "test", "--extra", "ray")
     pytest(session, "packages", "tests", "-m", "matrix and not gpu and not npu", "--durations=20")
 
 

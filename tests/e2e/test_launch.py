@@ -12,21 +12,17 @@ AFD metrics of every rank.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from afd_processes import Launcher, group_pgid_members
 
 pytestmark = [
     pytest.mark.e2e,
@@ -43,68 +39,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from afd.models.tiny import generate_tiny_checkpoint
 
     return Path(generate_tiny_checkpoint("deepseek_v2", tmp_path_factory.mktemp("ckpt") / "dsv2"))
-
-
-class Launcher:
-    """``afd launch SPEC`` as a subprocess, its output collected line by line."""
-
-    def __init__(self, spec: Path, tmp: Path) -> None:
-        env = {**os.environ, "TMPDIR": str(tmp)}
-        env.setdefault("VLLM_CACHE_ROOT", str(Path(__file__).parents[2] / ".cache" / "vllm"))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "afd.cli", "launch", str(spec)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            text=True,
-            start_new_session=True,
-        )
-        self.lines: list[str] = []
-        self._cv = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._cv:
-                self.lines.append(line)
-                self._cv.notify_all()
-        with self._cv:
-            self._cv.notify_all()
-
-    @property
-    def output(self) -> str:
-        with self._cv:
-            return "".join(self.lines)
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match[str] | None:
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while True:
-                m = re.search(pattern, "".join(self.lines), re.M)
-                if m or self.proc.poll() is not None or time.monotonic() > deadline:
-                    return m
-                self._cv.wait(1.0)
-
-    def role_pgids(self) -> dict[str, int]:
-        return {
-            m[1]: int(m[2]) for m in re.finditer(r"^\[afd\] (\w+): pid (\d+)", self.output, re.M)
-        }
-
-    def kill_all(self) -> None:
-        for pgid in [*self.role_pgids().values(), self.proc.pid]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            self.proc.wait(10)
-
-
-def group_members(pgids: list[int]) -> list[int]:
-    from afd_core.procfs import group_members as members_of
-
-    return [pid for g in pgids for pid in members_of(g)]
 
 
 def complete(url: str, prompt: str, max_tokens: int, timeout: float) -> dict:
@@ -195,7 +129,7 @@ def test_2a1f_serves_and_stops_on_sigterm(tiny_model: Path, tmp_path: Path) -> N
         assert rc == 0, launcher.output[-3000:]
         assert "stopped; no process left" in launcher.output
         assert stopped_s < 10.0, f"teardown took {stopped_s:.1f} s"
-        assert group_members([*pgids.values(), launcher.proc.pid]) == []
+        assert group_pgid_members([*pgids.values(), launcher.proc.pid]) == []
     finally:
         launcher.kill_all()
 
@@ -218,6 +152,6 @@ def test_role_failing_at_startup_fails_the_launch(tiny_model: Path, tmp_path: Pa
         assert re.search(rf"^\[ffn0\] .*{re.escape(str(missing))}", out, re.M), out[-3000:]
         pgids = launcher.role_pgids()
         assert set(pgids) == {"ffn0", "attn"}
-        assert group_members([*pgids.values(), launcher.proc.pid]) == []
+        assert group_pgid_members([*pgids.values(), launcher.proc.pid]) == []
     finally:
         launcher.kill_all()

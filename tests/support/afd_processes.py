@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -487,3 +488,70 @@ def assert_role_inventories(attention_log: str, ffn_log: str, *, gate_on_attenti
     ffn = inventory(ffn_log, "ffn")
     assert ffn.get("attention", 0) == 0 and ffn.get("embedding", 0) == 0, ffn
     assert ffn.get("routed_experts", 0) > 0, ffn
+
+
+# ---------------------------------------------------------------- afd launch
+
+
+class Launcher:
+    """``afd launch SPEC [ARGS]`` as a subprocess in its own process group, its output
+    collected line by line. ``env``: added to this process's environment."""
+
+    def __init__(
+        self, spec: Path, tmp: Path, *args: str, env: dict[str, str] | None = None
+    ) -> None:
+        full = {**os.environ, "TMPDIR": str(tmp), **(env or {})}
+        full.setdefault("VLLM_CACHE_ROOT", str(Path(__file__).parents[2] / ".cache" / "vllm"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "afd.cli", "launch", str(spec), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._cv = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cv:
+                self.lines.append(line)
+                self._cv.notify_all()
+        with self._cv:
+            self._cv.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self._cv:
+            return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str] | None:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                m = re.search(pattern, "".join(self.lines), re.M)
+                if m or self.proc.poll() is not None or time.monotonic() > deadline:
+                    return m
+                self._cv.wait(1.0)
+
+    def role_pgids(self) -> dict[str, int]:
+        return {
+            m[1]: int(m[2]) for m in re.finditer(r"^\[afd\] (\w+): pid (\d+)", self.output, re.M)
+        }
+
+    def kill_all(self) -> None:
+        for pgid in [*self.role_pgids().values(), self.proc.pid]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            self.proc.wait(10)
+
+
+def group_pgid_members(pgids: list[int]) -> list[int]:
+    """The live processes of the process groups ``pgids``."""
+    return [pid for g in pgids for pid in group_members(g)]

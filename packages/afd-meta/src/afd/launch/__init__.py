@@ -48,6 +48,12 @@ plans them for a spec), :mod:`~afd.launch.commands` (the role processes' command
 :mod:`~afd.launch.processes` (starting, watching and stopping a role process),
 :mod:`~afd.launch.readiness` (when a role is ready), :mod:`~afd.launch.deployment`
 (the orchestration) and :mod:`~afd.launch.cli` (``afd launch``).
+
+Beyond one host: a spec with a ``[ray]`` table (or ``afd launch --ray [ADDRESS]``) runs
+the same role processes as Ray actors (:mod:`~afd.launch.ray`, :class:`RayDeployment`;
+Ray is the ``afd[ray]`` extra, imported only then), each asking for its role's resources
+in one placement group (:func:`plan_ray`), with a guard per role
+(:mod:`~afd.launch.guard`) that stops it if its actor dies.
 """
 
 from __future__ import annotations
@@ -81,9 +87,17 @@ from afd.launch.errors import (
     DeploymentError,
     SpecError,
 )
+from afd.launch.placement import (
+    NodeInfo,
+    RayBundle,
+    RayPlan,
+    plan_node_cpus,
+    plan_ray,
+)
 from afd.launch.ports import (
     allocate_health_ports,
     allocate_ports,
+    reserve_ports,
 )
 from afd.launch.processes import (
     MAX_TMPDIR_LEN,
@@ -93,6 +107,7 @@ from afd.launch.processes import (
     role_env,
     role_tmp_dir,
 )
+from afd.launch.ray import RayDeployment, RayRoleProcess, import_ray
 from afd.launch.readiness import (
     RoleReadiness,
     readiness_of,
@@ -101,7 +116,11 @@ from afd.launch.spec import (
     DEFAULT_CONNECTOR,
     DEFAULT_CUDA_CONNECTOR,
     DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_NETWORK_CONNECTOR,
+    RAY_PLACEMENTS,
     DeploymentSpec,
+    RayResources,
+    RaySpec,
     RoleOverrides,
     load_toml,
 )
@@ -112,10 +131,19 @@ __all__ = [
     "DEFAULT_CONNECTOR",
     "DEFAULT_CUDA_CONNECTOR",
     "DEFAULT_KV_CACHE_BYTES",
+    "DEFAULT_NETWORK_CONNECTOR",
     "Deployment",
     "DeploymentError",
     "DeploymentSpec",
     "MAX_TMPDIR_LEN",
+    "NodeInfo",
+    "RAY_PLACEMENTS",
+    "RayBundle",
+    "RayDeployment",
+    "RayPlan",
+    "RayResources",
+    "RayRoleProcess",
+    "RaySpec",
     "RoleOverrides",
     "RoleProcess",
     "RoleReadiness",
@@ -131,13 +159,17 @@ __all__ = [
     "detect_cuda_devices",
     "format_cpu_list",
     "forward_signals",
+    "import_ray",
     "load_toml",
     "omp_bind_env",
     "parse_cpu_list",
     "parse_nvidia_smi_list",
     "parse_visible_devices",
+    "plan_node_cpus",
+    "plan_ray",
     "prefix_lines",
     "readiness_of",
+    "reserve_ports",
     "role_env",
     "role_tmp_dir",
     "run_launch",

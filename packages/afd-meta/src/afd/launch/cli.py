@@ -59,6 +59,10 @@ def spec_from_args(args: Any) -> DeploymentSpec:
     """A spec from ``afd launch`` arguments (a TOML file and/or flags; flags win)."""
     data: dict[str, Any] = {}
     base_dir = None
+    ray_address = getattr(args, "ray", None)
+    if not args.spec and ray_address and Path(ray_address).expanduser().is_file():
+        # `afd launch --ray deploy.toml`: the spec, not a Ray address
+        args.spec, ray_address = ray_address, ""
     if args.spec:
         data, base_dir = load_toml(args.spec)
     flags = {
@@ -99,6 +103,13 @@ def spec_from_args(args: Any) -> DeploymentSpec:
         )
     if args.vllm_args:
         data["vllm_args"] = [*data.get("vllm_args", []), *shlex.split(args.vllm_args)]
+    if getattr(args, "no_ray", False):
+        data.pop("ray", None)  # the same spec, on this host
+    elif ray_address is not None:
+        table = data.get("ray") or {}
+        if isinstance(table, Mapping):
+            table = {**table, **({"address": ray_address} if ray_address else {})}
+        data["ray"] = table
     if not data.get("model"):
         raise SpecError("model: give a spec file with model = ... or --model DIR")
     return DeploymentSpec.from_dict(data, base_dir=base_dir, source=args.spec)
@@ -161,6 +172,22 @@ def add_launch_arguments(ap: Any) -> None:
         action="store_true",
         help="run one plain vLLM server with the same args instead (baseline)",
     )
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="place the roles as Ray actors (needs afd[ray]); ADDRESS: the cluster (auto, "
+        "HOST:6379, ray://HOST:10001; default: RAY_ADDRESS or the local cluster); same as a "
+        "[ray] table in the spec",
+    )
+    where.add_argument(
+        "--no-ray",
+        action="store_true",
+        help="run on this host even if the spec has a [ray] table",
+    )
     ap.add_argument(
         "--quiet", action="store_true", help="role output to the log files only (not the console)"
     )
@@ -180,7 +207,12 @@ def run_launch(args: Any) -> int:
     except SpecError as exc:
         print(f"afd launch: invalid spec: {exc}", file=sys.stderr)
         return 2
-    dep = Deployment(spec, echo=not args.quiet, console=sys.stdout)
+    cls: type[Deployment] = Deployment
+    if spec.ray is not None:
+        from afd.launch.ray import RayDeployment
+
+        cls = RayDeployment
+    dep = cls(spec, echo=not args.quiet, console=sys.stdout)
     code = 0
     with forward_signals():
         try:
@@ -197,8 +229,7 @@ def run_launch(args: Any) -> int:
                     dep.say(line)
             dep.say("running; Ctrl-C or SIGTERM stops every role")
             gone = dep.wait()
-            rc = gone.returncode()
-            dep.say(f"{gone.name} exited with code {rc}; stopping the deployment")
+            dep.say(f"{gone.name} {gone.exit_description()}; stopping the deployment")
             code = 1
         except _Interrupted as sig:
             dep.say(f"{sig} received")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from afd.launch.processes import RoleProcess, role_env
@@ -29,21 +29,42 @@ class Layout:
     cpus: Mapping[str, str]
     tmp_dir: Path
     log_dir: Path
+    hosts: Mapping[str, str] = field(default_factory=dict)
+    """The address each role process binds, by name (``attn``, ``ffn0``...): its Ray
+    node's; default: the spec's ``host``."""
+    rendezvous_host: str | None = None
+    """The AFD rendezvous host (attention rank 0's address); default: the spec's ``host``."""
+    base_env: Mapping[str, str] | None = None
+    """The environment the roles' start from (default: this process's; see
+    :func:`role_env`)."""
 
     def env(self, spec: DeploymentSpec, role: AFDRole, name: str) -> dict[str, str]:
-        return role_env(spec, role, self.tmp_dir, self.devices.get(name), self.cpus.get(name))
+        return role_env(
+            spec,
+            role,
+            self.tmp_dir,
+            self.devices.get(name),
+            self.cpus.get(name),
+            base=self.base_env,
+        )
+
+    def host(self, spec: DeploymentSpec, name: str) -> str:
+        return self.hosts.get(name, spec.host)
 
 
-def build_roles(spec: DeploymentSpec, at: Layout) -> list[RoleProcess]:
+def build_roles(
+    spec: DeploymentSpec, at: Layout, cls: type[RoleProcess] = RoleProcess
+) -> list[RoleProcess]:
     """The role processes in start order: the FFN servers, then the attention server;
-    for a native spec the one plain vLLM server."""
+    for a native spec the one plain vLLM server. ``cls``: the kind of role process
+    (:class:`RoleProcess` here, a Ray actor's in :mod:`afd.launch.ray`)."""
     if spec.native:
-        return [_native_role(spec, at)]
-    roles = [_ffn_role(spec, at, rank) for rank in range(spec.num_ffn)]
-    return [*roles, _attention_role(spec, at)]
+        return [_native_role(spec, at, cls)]
+    roles = [_ffn_role(spec, at, rank, cls) for rank in range(spec.num_ffn)]
+    return [*roles, _attention_role(spec, at, cls)]
 
 
-def _native_role(spec: DeploymentSpec, at: Layout) -> RoleProcess:
+def _native_role(spec: DeploymentSpec, at: Layout, cls: type[RoleProcess]) -> RoleProcess:
     port = at.http_port
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
@@ -53,37 +74,40 @@ def _native_role(spec: DeploymentSpec, at: Layout) -> RoleProcess:
     ]  # fmt: skip
     env = at.env(spec, AFDRole.ATTENTION, "native0")
     url = f"http://{spec.host}:{port}"
-    return RoleProcess("native0", NATIVE, 0, cmd, env, at.log_dir / "native0.log", http_url=url)
+    return cls("native0", NATIVE, 0, cmd, env, at.log_dir / "native0.log", http_url=url)
 
 
-def _ffn_role(spec: DeploymentSpec, at: Layout, rank: int) -> RoleProcess:
-    afd = spec.afd_section(AFDRole.FFN, rank, port=at.connector_port)
+def _ffn_role(spec: DeploymentSpec, at: Layout, rank: int, cls: type[RoleProcess]) -> RoleProcess:
+    name = f"ffn{rank}"
+    afd = spec.afd_section(AFDRole.FFN, rank, port=at.connector_port, host=at.rendezvous_host)
     health_port = at.ffn_health_ports[rank]
+    host = at.host(spec, name)
     cmd = [
         sys.executable, "-m", "afd.cli", "serve", "--role", AFDRole.FFN.value,
         spec.ffn.model or spec.model,
         *spec.engine_args(), *spec.ffn.vllm_args,
         "--additional-config", json.dumps({"afd": afd}),
-        "--health-host", spec.host, "--health-port", str(health_port),
+        "--health-host", host, "--health-port", str(health_port),
     ]  # fmt: skip
-    return RoleProcess(
-        f"ffn{rank}",
+    return cls(
+        name,
         AFDRole.FFN,
         rank,
         cmd,
-        at.env(spec, AFDRole.FFN, f"ffn{rank}"),
-        at.log_dir / f"ffn{rank}.log",
-        health_url=f"http://{spec.host}:{health_port}",
+        at.env(spec, AFDRole.FFN, name),
+        at.log_dir / f"{name}.log",
+        health_url=f"http://{host}:{health_port}",
     )
 
 
-def _attention_role(spec: DeploymentSpec, at: Layout) -> RoleProcess:
+def _attention_role(spec: DeploymentSpec, at: Layout, cls: type[RoleProcess]) -> RoleProcess:
     # All attention ranks are the data-parallel ranks of ONE vLLM server: vLLM keeps
     # DP ranks in lock step (idle ranks run dummy batches), which the FFN fan-in
     # needs; each rank's AFD rank is its DP rank. Independent servers would not step
     # together, and an FFN rank would wait forever for an idle peer.
     port = at.http_port
-    afd = spec.afd_section(AFDRole.ATTENTION, 0, port=at.connector_port)
+    host = at.host(spec, "attn")
+    afd = spec.afd_section(AFDRole.ATTENTION, 0, port=at.connector_port, host=at.rendezvous_host)
     del afd["rank"]
     dp = ["--data-parallel-size", str(spec.num_attention)] if spec.num_attention > 1 else []
     cmd = [
@@ -91,17 +115,17 @@ def _attention_role(spec: DeploymentSpec, at: Layout) -> RoleProcess:
         spec.attention.model or spec.model,
         *spec.engine_args(), *spec.attention.vllm_args, *dp,
         "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
-        "--host", spec.host, "--port", str(port),
+        "--host", host, "--port", str(port),
         "--additional-config", json.dumps({"afd": afd}),
     ]  # fmt: skip
-    return RoleProcess(
+    return cls(
         "attn",
         AFDRole.ATTENTION,
         0,
         cmd,
         at.env(spec, AFDRole.ATTENTION, "attn"),
         at.log_dir / "attn.log",
-        http_url=f"http://{spec.host}:{port}",
+        http_url=f"http://{host}:{port}",
     )
 
 

@@ -86,15 +86,23 @@ def split_cpus(cpus: Sequence[int], num_attention: int, num_ffn: int) -> dict[st
     The attention server gets the first half, rounded up (but leaving one CPU per FFN
     rank), cut into one block per DP rank (``"0|1"``, vLLM's format for the DP ranks of
     one server); the FFN ranks get the rest, one block each. Every process gets at least
-    one CPU. ``num_ffn = 0`` (the native baseline): all of them. 2 CPUs, 1A1F:
-    ``{"attn": "0", "ffn0": "1"}``.
+    one CPU. ``num_ffn = 0`` (the native baseline): all of them. ``num_attention = 0``
+    (a host of FFN ranks only, as a Ray node can be): the FFN ranks share all of them.
+    2 CPUs, 1A1F: ``{"attn": "0", "ffn0": "1"}``.
     """
     cpus = sorted(set(cpus))
     n = len(cpus)
-    if n < num_attention + num_ffn or n == 0:
+    if n < num_attention + num_ffn or n == 0 or num_attention + num_ffn == 0:
         return None
-    n_attn = n if num_ffn == 0 else max(num_attention, min((n + 1) // 2, n - num_ffn))
-    out = {"attn": "|".join(format_cpu_list(b) for b in _blocks(cpus[:n_attn], num_attention))}
+    if num_attention == 0:
+        n_attn = 0
+    elif num_ffn == 0:
+        n_attn = n
+    else:
+        n_attn = max(num_attention, min((n + 1) // 2, n - num_ffn))
+    out = {}
+    if num_attention:
+        out["attn"] = "|".join(format_cpu_list(b) for b in _blocks(cpus[:n_attn], num_attention))
     for f, block in enumerate(_blocks(cpus[n_attn:], num_ffn) if num_ffn else []):
         out[f"ffn{f}"] = format_cpu_list(block)
     return out

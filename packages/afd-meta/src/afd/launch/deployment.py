@@ -111,7 +111,10 @@ class Deployment:
         return self.cpus
 
     # -- commands ------------------------------------------------------------------
-    def _build_roles(self) -> None:
+    role_class: type[RoleProcess] = RoleProcess
+    """The kind of role process (a Ray deployment's run in Ray actors)."""
+
+    def _layout(self) -> Layout:
         spec = self.spec
         assert self.work_dir is not None and self.log_dir is not None
         devices = self.devices if self.devices is not None else self.plan_devices()
@@ -121,7 +124,7 @@ class Deployment:
             self.ffn_health_ports = allocate_health_ports(
                 spec, avoid=[*self.http_ports, self.connector_port]
             )
-        layout = Layout(
+        return Layout(
             http_port=self.http_ports[0],
             connector_port=self.connector_port,
             ffn_health_ports=self.ffn_health_ports,
@@ -130,36 +133,54 @@ class Deployment:
             tmp_dir=self.tmp_dir,
             log_dir=self.log_dir,
         )
-        self.roles.extend(build_roles(spec, layout))
-        if not spec.native:
-            self.token_note = give_token(spec, self.roles)
+
+    def _build_roles(self) -> None:
+        self.roles.extend(build_roles(self.spec, self._layout(), self.role_class))
+        if not self.spec.native:
+            self.token_note = give_token(self.spec, self.roles)
 
     # -- lifecycle -----------------------------------------------------------------
+    def _place(self) -> None:
+        """Decide where the roles run, before anything is started (a missing device
+        fails here)."""
+        self.plan_devices()
+        self.plan_cpus()
+
+    def _allocate_ports(self) -> None:
+        self.http_ports, self.connector_port = allocate_ports(self.spec)
+
+    def _connector_origin(self) -> str:
+        return "from [afd] connector" if self.spec.afd.get("connector") else "same-host default"
+
+    def _placement_lines(self) -> list[str]:
+        """What is printed about where the roles run (devices, CPUs)."""
+        assert self.devices is not None
+        return [*device_lines(self.devices, self.visible_devices or []), *self._cpu_lines]
+
     def start(self) -> Deployment:
         spec = self.spec
         self.started_at = time.monotonic()
-        self.plan_devices()  # a missing device fails here, before anything is started
-        self.plan_cpus()
-        self.work_dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-launch-"))
-        self.log_dir = Path(spec.log_dir).expanduser() if spec.log_dir else self.work_dir / "logs"
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.http_ports, self.connector_port = allocate_ports(spec)
-        self._build_roles()
-        what = "native vLLM" if spec.native else f"{spec.num_attention}A{spec.num_ffn}F"
-        self.say(
-            f"starting {what} deployment of {spec.model} "
-            + (f"(connector port {self.connector_port}) " if not spec.native else "")
-            + f"logs in {self.log_dir}"
-        )
-        if not spec.native:
-            how = "from [afd] connector" if spec.afd.get("connector") else "same-host default"
-            self.say(f"connector: {spec.connector} ({how})")
-            self.say(self.token_note)
-        assert self.devices is not None
-        for line in [*device_lines(self.devices, self.visible_devices or []), *self._cpu_lines]:
-            self.say(line)
-        console = self.console if self.echo else None
         try:
+            self._place()
+            self.work_dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-launch-"))
+            self.log_dir = (
+                Path(spec.log_dir).expanduser() if spec.log_dir else self.work_dir / "logs"
+            )
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._allocate_ports()
+            self._build_roles()
+            what = "native vLLM" if spec.native else f"{spec.num_attention}A{spec.num_ffn}F"
+            self.say(
+                f"starting {what} deployment of {spec.model} "
+                + (f"(connector port {self.connector_port}) " if not spec.native else "")
+                + f"logs in {self.log_dir}"
+            )
+            if not spec.native:
+                self.say(f"connector: {spec.connector} ({self._connector_origin()})")
+                self.say(self.token_note)
+            for line in self._placement_lines():
+                self.say(line)
+            console = self.console if self.echo else None
             for role in self.roles:  # FFN servers first, then the attention servers
                 role.start(console, self._lock)
                 self.say(
@@ -185,9 +206,8 @@ class Deployment:
         next_progress = time.monotonic() + self.progress_every_s
         while True:
             for r in self.roles:
-                rc = r.returncode()
-                if rc is not None:
-                    self._fail_role(r, f"exited with code {rc} during start-up")
+                if r.returncode() is not None:
+                    self._fail_role(r, f"{r.exit_description()} during start-up")
                 if not r.ready and r.check_ready():
                     self.say(
                         f"{r.name} ready after {r.ready_at - self.started_at:.1f} s"

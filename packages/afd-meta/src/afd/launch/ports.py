@@ -9,12 +9,12 @@ chosen so that no two roles get the same one.
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from afd.launch.errors import DeploymentError
 from afd.launch.spec import DeploymentSpec
 
-__all__ = ["allocate_health_ports", "allocate_ports"]
+__all__ = ["allocate_health_ports", "allocate_ports", "reserve_ports"]
 
 _TRIES = 100
 
@@ -113,5 +113,31 @@ def allocate_health_ports(spec: DeploymentSpec, *, avoid: Iterable[int] = ()) ->
                     "for free ports"
                 )
         return fixed
+    finally:
+        ports.close()
+
+
+def reserve_ports(
+    host: str, wanted: Sequence[tuple[str, int, str]], *, avoid: Iterable[int] = ()
+) -> list[int]:
+    """Ports on ``host`` for ``wanted``: ``(what it is, port or 0, the spec field)``
+    entries; a fixed port is bind-tested (a :class:`DeploymentError` names it and its
+    field), 0 picks a free one; all distinct and none in ``avoid``. A Ray role actor
+    runs this on its node (:mod:`afd.launch.ray`)."""
+    ports = _FreePorts(host, set(avoid))
+    out = []
+    try:
+        for what, port, field in wanted:
+            if port:
+                if ports.in_use(port):
+                    raise DeploymentError(
+                        f"port {port} ({what}) is in use on {host}; choose another {field} or "
+                        "0 for a free port"
+                    )
+                ports.taken.add(port)
+                out.append(port)
+            else:
+                out.append(ports.pick())
+        return out
     finally:
         ports.close()

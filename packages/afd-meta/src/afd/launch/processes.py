@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -49,13 +49,17 @@ def role_env(
     tmp_dir: Path,
     devices: str | None = None,
     cpus: str | None = None,
+    *,
+    base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Environment of one role process; ``devices``: its ``CUDA_VISIBLE_DEVICES``
     (from :func:`assign_devices`), ``cpus``: its ``VLLM_CPU_OMP_THREADS_BIND`` (from
     :func:`assign_cpus`); the role's own ``env`` still wins. An FFN process bound to a
-    CPU list also gets the matching OpenMP settings (:func:`omp_bind_env`)."""
+    CPU list also gets the matching OpenMP settings (:func:`omp_bind_env`). ``base``:
+    the environment it starts from (default: this process's; a Ray role: only what the
+    launcher adds to its node's environment)."""
     role = AFDRole(role)
-    env = dict(os.environ)
+    env = dict(os.environ if base is None else base)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB; it overrides kv_cache_memory_bytes
     env["TMPDIR"] = str(tmp_dir)
     env["PYTHONUNBUFFERED"] = "1"
@@ -148,10 +152,7 @@ class RoleProcess:
         return f"[{self.name}] "
 
     def start(self, console: IO[str] | None, lock: threading.Lock) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("w", encoding="utf-8")
-        log.write(f"# {' '.join(self.cmd)}\n")
-        log.flush()
+        log = self.open_log()
         self.proc = subprocess.Popen(
             self.cmd,
             env=self.env,
@@ -175,20 +176,32 @@ class RoleProcess:
         )
         self._pump.start()
 
+    def open_log(self) -> IO[str]:
+        """The role's log file, opened for writing, its first line the command."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("w", encoding="utf-8")
+        log.write(f"# {' '.join(self.cmd)}\n")
+        log.flush()
+        return log
+
+    def emit(self, line: str, log: IO[str], console: IO[str] | None, lock: threading.Lock) -> None:
+        """One line of the role's output: to its tail, its log file and (prefixed) the
+        console."""
+        if not line.endswith("\n"):
+            line += "\n"
+        self.tail.append(line)
+        log.write(line)
+        log.flush()
+        if console is not None:
+            with lock, contextlib.suppress(Exception):
+                console.write(self.prefix + line)
+                console.flush()
+
     def _pump_output(self, log: IO[str], console: IO[str] | None, lock: threading.Lock) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         try:
             for raw in iter(self.proc.stdout.readline, b""):
-                line = raw.decode("utf-8", errors="replace")
-                if not line.endswith("\n"):
-                    line += "\n"
-                self.tail.append(line)
-                log.write(line)
-                log.flush()
-                if console is not None:
-                    with lock, contextlib.suppress(Exception):
-                        console.write(self.prefix + line)
-                        console.flush()
+                self.emit(raw.decode("utf-8", errors="replace"), log, console, lock)
         finally:
             log.close()
 
@@ -198,6 +211,25 @@ class RoleProcess:
 
     def returncode(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
+
+    def exit_description(self) -> str:
+        """How the role ended, for messages (``exited with code 1``)."""
+        return f"exited with code {self.returncode()}"
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to every process of the role (its process group)."""
+        signal_group(self.pgid, sig)
+
+    def finish(self, timeout: float) -> None:
+        """Reap the role's process and let its output pump drain (after a stop)."""
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout)
+        self.join_output(2.0)
+
+    def leftovers(self) -> list[int]:
+        """The role's processes still alive (none: ``[]``)."""
+        return [] if self.pgid is None else group_members(self.pgid)
 
     def check_ready(self) -> bool:
         if self.ready:
@@ -217,7 +249,7 @@ class RoleProcess:
         """Whether any (non-zombie) process of this role's process group is left."""
         if self.pgid is None:
             return False
-        return bool(group_members(self.pgid))
+        return bool(self.leftovers())
 
 
 def signal_group(pgid: int | None, sig: signal.Signals) -> None:
@@ -235,18 +267,15 @@ def stop_groups(
     if started:
         say("stopping: SIGTERM to " + ", ".join(r.name for r in started))
     for r in started:
-        signal_group(r.pgid, signal.SIGTERM)
+        r.signal(signal.SIGTERM)
     _reap_until(started, time.monotonic() + grace_s)
     for r in [r for r in started if r.group_alive()]:
         say(f"{r.name}: still running after {grace_s:.0f} s; SIGKILL")
-        signal_group(r.pgid, signal.SIGKILL)
+        r.signal(signal.SIGKILL)
     _reap_until(started, time.monotonic() + 5.0)
     for r in started:
-        if r.proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                r.proc.wait(timeout=1.0)
-        r.join_output(2.0)
-    survivors = {r.name: group_members(r.pgid) for r in started if r.pgid is not None}
+        r.finish(1.0)
+    survivors = {r.name: r.leftovers() for r in started}
     return {k: v for k, v in survivors.items() if v}
 
 

@@ -30,8 +30,12 @@ __all__ = [
     "DEFAULT_CONNECTOR",
     "DEFAULT_CUDA_CONNECTOR",
     "DEFAULT_KV_CACHE_BYTES",
+    "DEFAULT_NETWORK_CONNECTOR",
     "DTYPES",
+    "RAY_PLACEMENTS",
     "DeploymentSpec",
+    "RayResources",
+    "RaySpec",
     "RoleOverrides",
     "load_toml",
 ]
@@ -43,7 +47,15 @@ role of an ``afd launch`` deployment runs on this host, where shared memory beat
 DEFAULT_CUDA_CONNECTOR = "P2pNcclAFDConnector"
 """The default connector where CUDA devices are visible (one GPU per rank, see
 docs/gpu.md)."""
+DEFAULT_NETWORK_CONNECTOR = "P2pGlooAFDConnector"
+"""The default connector of a Ray deployment whose roles may run on different CPU hosts
+(any ``[ray] placement`` but ``strict_pack``): shared memory needs one host."""
+SHM_CONNECTORS = frozenset({"P2pShmAFDConnector"})
+"""Connectors whose ranks must share one host (a Ray deployment packs them on one node)."""
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+RAY_PLACEMENTS = ("strict_pack", "pack", "spread", "strict_spread")
+"""Ray placement group strategies (``[ray] placement``), lower case."""
+DEFAULT_HOST = "127.0.0.1"
 # afd keys the launcher sets itself.
 MANAGED_AFD_KEYS = {
     "role": "(one per process)",
@@ -84,6 +96,56 @@ class RoleOverrides:
 
 
 @dataclass
+class RayResources:
+    """What one rank of a role asks Ray for (TOML tables ``[ray.attention]`` /
+    ``[ray.ffn]``). The attention server holds every attention rank (its DP ranks), so
+    its actor asks for ``num_attention`` times this; each FFN server for this once."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per rank, e.g. ``{NPU = 1}`` (declared by ``ray start
+    --resources``)."""
+
+    def bundle(self, ranks: int) -> dict[str, float]:
+        """The Ray resources of a role process holding ``ranks`` ranks (zeros left out)."""
+        out = {"CPU": self.num_cpus * ranks, "GPU": self.num_gpus * ranks}
+        out.update({k: v * ranks for k, v in self.resources.items()})
+        return {k: float(v) for k, v in out.items() if v}
+
+
+@dataclass
+class RaySpec:
+    """Where Ray places the roles (TOML table ``[ray]``; ``afd launch --ray [ADDRESS]``).
+
+    A spec with a ``[ray]`` table (or ``--ray``) runs every role process as a Ray actor
+    (:mod:`afd.launch.ray`); without it (or with ``--no-ray``) the same spec runs on this
+    host."""
+
+    address: str | None = None
+    """The cluster: ``"auto"``, ``"HOST:6379"``, ``"ray://HOST:10001"``; None: Ray's
+    default (``RAY_ADDRESS``, else the cluster ``ray start`` runs on this host, else a
+    one-host cluster for the launcher's lifetime)."""
+    placement: str | None = None
+    """Placement group strategy: ``strict_pack`` (one node), ``pack``, ``spread``,
+    ``strict_spread``. Default: ``strict_pack`` with the shared-memory connector, else
+    ``spread``."""
+    namespace: str = "afd"
+    """Ray namespace of the deployment's named actors (``afd-<id>-<role>``)."""
+    placement_timeout_s: float = 120.0
+    """How long to wait for the cluster to grant the placement group."""
+    attention: RayResources = field(default_factory=RayResources)
+    ffn: RayResources = field(default_factory=RayResources)
+
+    def resources(self, role: AFDRole) -> RayResources:
+        return self.attention if AFDRole(role) is AFDRole.ATTENTION else self.ffn
+
+    @property
+    def uses_gpus(self) -> bool:
+        return bool(self.attention.num_gpus or self.ffn.num_gpus)
+
+
+@dataclass
 class DeploymentSpec:
     """What to deploy. All fields but ``model`` have defaults sized for tiny CPU models."""
 
@@ -100,7 +162,7 @@ class DeploymentSpec:
     """Extra vLLM engine/server args for every role."""
     afd: dict[str, Any] = field(default_factory=dict)
     """Extra ``additional_config["afd"]`` keys (routing_payload, timeouts, connector...)."""
-    host: str = "127.0.0.1"
+    host: str = DEFAULT_HOST
     http_port: int = 0
     """HTTP port of attention server 0 (server i gets http_port + i); 0 = free ports."""
     connector_port: int = 0
@@ -116,6 +178,8 @@ class DeploymentSpec:
     ffn: RoleOverrides = field(default_factory=RoleOverrides)
     native: bool = False
     """Run one plain vLLM API server (no AFD) with the same engine args: the baseline."""
+    ray: RaySpec | None = None
+    """Place the role processes as Ray actors (``[ray]``); None: on this host."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -181,7 +245,81 @@ class DeploymentSpec:
                     f"ffn.devices: {','.join(shared)} also in attention.devices; every rank "
                     "needs its own device (NCCL refuses two ranks on one device)"
                 )
+        self._check_ray()
         self._check_afd()
+
+    def _check_ray(self) -> None:
+        if self.ray is None:
+            return
+        if isinstance(self.ray, Mapping):
+            self.ray = _ray_from_mapping(self.ray)
+        if not isinstance(self.ray, RaySpec):
+            raise _fail("ray", "a table with address / placement / attention / ffn ...", self.ray)
+        ray = self.ray
+        if ray.address is not None and (not isinstance(ray.address, str) or not ray.address):
+            raise _fail("ray.address", '"auto", "HOST:PORT" or "ray://HOST:PORT"', ray.address)
+        if ray.placement is not None:
+            if not isinstance(ray.placement, str) or ray.placement.lower() not in RAY_PLACEMENTS:
+                raise _fail("ray.placement", "one of " + ", ".join(RAY_PLACEMENTS), ray.placement)
+            ray.placement = ray.placement.lower()
+        if not isinstance(ray.namespace, str) or not ray.namespace.strip():
+            raise _fail("ray.namespace", "a Ray namespace name", ray.namespace)
+        t = ray.placement_timeout_s
+        if not isinstance(t, int | float) or isinstance(t, bool) or t <= 0:
+            raise _fail("ray.placement_timeout_s", "a number of seconds > 0", t)
+        for role in AFDRole:
+            res = getattr(ray, role)
+            if isinstance(res, Mapping):
+                names = [f.name for f in dataclasses.fields(RayResources)]
+                for key in res:
+                    if key not in names:
+                        raise unknown_key(f"ray.{role}: ", key, names)
+                res = RayResources(**dict(res))
+                setattr(ray, role, res)
+            if not isinstance(res, RayResources):
+                raise _fail(f"ray.{role}", "a table with num_cpus / num_gpus / resources", res)
+            for name in ("num_cpus", "num_gpus"):
+                v = getattr(res, name)
+                if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
+                    raise _fail(f"ray.{role}.{name}", "a number >= 0 (per rank)", v)
+            if not isinstance(res.resources, Mapping):
+                raise _fail(f"ray.{role}.resources", "a table of NAME = amount", res.resources)
+            res.resources = dict(res.resources)
+            for k, v in res.resources.items():
+                if not isinstance(k, str) or not k:
+                    raise SpecError(f"ray.{role}.resources: invalid resource name {k!r}")
+                if k.upper() in ("CPU", "GPU"):
+                    raise SpecError(
+                        f"ray.{role}.resources.{k}: use ray.{role}.num_{k.lower()}s instead"
+                    )
+                if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
+                    raise _fail(f"ray.{role}.resources.{k}", "a number >= 0 (per rank)", v)
+            if not res.bundle(1):
+                raise SpecError(
+                    f"ray.{role}: asks Ray for nothing; a role needs num_cpus, num_gpus or a "
+                    "resource > 0 to be placed"
+                )
+        if self.native:
+            raise SpecError("native: the native baseline runs on this host; drop [ray] / --ray")
+        if self.host != DEFAULT_HOST:
+            raise SpecError(
+                f"host: {self.host!r} with [ray]: every role binds its Ray node's address "
+                "(the attention node's is the rendezvous host); leave host unset"
+            )
+        for role in AFDRole:
+            if self.overrides(role).devices is not None:
+                raise SpecError(
+                    f"{role}.devices with [ray]: Ray assigns the GPUs of each actor; use "
+                    f"ray.{role}.num_gpus instead"
+                )
+        explicit = self.afd.get("connector") if isinstance(self.afd, Mapping) else None
+        if explicit in SHM_CONNECTORS and ray.placement not in (None, "strict_pack"):
+            raise SpecError(
+                f"ray.placement: {ray.placement!r} with the shared-memory connector "
+                f"{explicit}: its ranks must share one host; use placement = "
+                f'"strict_pack" or a network connector ({DEFAULT_NETWORK_CONNECTOR}, '
+                f"{DEFAULT_CUDA_CONNECTOR})"
+            )
 
     def _check_role(self, role: AFDRole) -> None:
         ov = getattr(self, role)
@@ -236,17 +374,37 @@ class DeploymentSpec:
         explicit = self.afd.get("connector")
         if explicit:
             return str(explicit)
+        if self.ray is not None:
+            # The roles' hosts are Ray nodes: GPUs are what the roles ask Ray for, and
+            # shared memory only when the placement keeps every role on one node.
+            if self.ray.uses_gpus:
+                return DEFAULT_CUDA_CONNECTOR
+            if self.ray.placement in (None, "strict_pack"):
+                return DEFAULT_CONNECTOR
+            return DEFAULT_NETWORK_CONNECTOR
         cuda = detect_cuda_devices({**os.environ, **self.env})
         return DEFAULT_CUDA_CONNECTOR if cuda else DEFAULT_CONNECTOR
 
-    def afd_section(self, role: AFDRole, rank: int, *, port: int) -> dict[str, Any]:
-        """``additional_config["afd"]`` of one role process."""
+    @property
+    def ray_placement(self) -> str:
+        """The Ray placement strategy (lower case): ``[ray] placement``, else
+        ``strict_pack`` for a shared-memory connector (its ranks must share one host)
+        and ``spread`` for the others."""
+        if self.ray is not None and self.ray.placement:
+            return self.ray.placement
+        return "strict_pack" if self.connector in SHM_CONNECTORS else "spread"
+
+    def afd_section(
+        self, role: AFDRole, rank: int, *, port: int, host: str | None = None
+    ) -> dict[str, Any]:
+        """``additional_config["afd"]`` of one role process; ``host``: the rendezvous
+        host (attention rank 0's address; default: the spec's ``host``)."""
         return {
             **self.afd,
             "connector": self.connector,
             "role": AFDRole(role).value,
             "rank": rank,
-            "host": self.host,
+            "host": self.host if host is None else host,
             "port": port,
             "num_attention_ranks": self.num_attention,
             "num_ffn_ranks": self.num_ffn,
@@ -321,6 +479,14 @@ def _overrides_from_mapping(role: AFDRole, table: Mapping[str, Any]) -> RoleOver
         if key not in names:
             raise unknown_key(f"{role}: ", key, names)
     return RoleOverrides(**dict(table))
+
+
+def _ray_from_mapping(table: Mapping[str, Any]) -> RaySpec:
+    names = [f.name for f in dataclasses.fields(RaySpec)]
+    for key in table:
+        if key not in names:
+            raise unknown_key("ray: ", key, names)
+    return RaySpec(**dict(table))
 
 
 def load_toml(path: str | os.PathLike[str]) -> tuple[dict[str, Any], Path]:

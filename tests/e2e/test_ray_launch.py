@@ -1,0 +1,316 @@
+"""End to end: ``afd launch SPEC --ray ADDRESS`` on a one-node Ray cluster on loopback.
+
+One cluster for the module (``ray start --head --block`` in a temporary folder, bound to
+127.0.0.1, with Ray's token authentication, stopped and checked empty at the end). Each
+test launches a deployment whose roles are Ray actors, checks greedy parity with native
+vLLM on the tiny DeepSeek-V2 (the same engine arguments, native started by the local
+launcher once for the module), then stops it and checks that nothing is left: no process
+of any role (nor any process naming the checkpoint or a role's guard), no actor or
+placement group of the deployment in the cluster.
+
+* 1A1F: stopped by SIGTERM (exit 0, ``stopped; no process left``).
+* 2A1F: the FFN actor is killed (``ray.kill``); the launcher names the role that died,
+  stops the rest and exits 1.
+
+Ray is the meta package's ``ray`` extra: without it the module is skipped with the reason
+(``nox -s tests-matrix`` installs it, and runs these tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from afd_processes import Launcher, assert_same_tokens, group_pgid_members
+
+from afd.reference import FIXED_PROMPTS
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    # Ray's tests run in `nox -s tests-matrix` (which installs the ray extra); the
+    # default run stays as fast as before.
+    pytest.mark.matrix,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("ray") is None,
+        reason="Ray is not installed (pip install 'afd[ray]'; nox -s tests-matrix installs it)",
+    ),
+]
+
+PROMPTS = list(FIXED_PROMPTS[:8])
+STARTUP_S = 420.0
+NAMESPACE = "afd-e2e"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RayCluster:
+    """A one-node Ray cluster on 127.0.0.1 owned by this test module."""
+
+    def __init__(self) -> None:
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="afd-ray-", dir="/tmp"))  # short socket paths
+        self.address = f"127.0.0.1:{_free_port()}"
+        self.env = {
+            # loopback only: Ray otherwise binds the host's outward address
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": secrets.token_hex(32),
+            # stop at once on SIGTERM (no draining of a node nobody else uses)
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+            "VLLM_CACHE_ROOT": os.environ.get(
+                "VLLM_CACHE_ROOT", str(Path(__file__).parents[2] / ".cache" / "vllm")
+            ),
+            "TMPDIR": str(self.temp_dir),
+        }
+        cmd = [
+            str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+            "--node-ip-address", "127.0.0.1", "--port", self.address.split(":")[1],
+            "--ray-client-server-port", str(_free_port()),
+            "--num-cpus", "4",  # oversubscribed: the roles ask 1 CPU per rank
+            "--object-store-memory", str(100 * 1024 * 1024),
+            "--include-dashboard=false", "--disable-usage-stats",
+            "--temp-dir", str(self.temp_dir),
+        ]  # fmt: skip
+        self.log = (self.temp_dir / "ray-start.log").open("w")
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in self.output():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"ray start failed:\n{self.output()[-4000:]}")
+            time.sleep(0.5)
+
+    def output(self) -> str:
+        return (self.temp_dir / "ray-start.log").read_text(errors="replace")
+
+    def run(self, code: str, timeout: float = 120) -> str:
+        """Run ``code`` in a Python process connected to the cluster as a driver;
+        its stdout."""
+        prologue = (
+            "import json, ray\n"
+            f"ray.init(address={self.address!r}, namespace={NAMESPACE!r}, "
+            "log_to_driver=False, configure_logging=False)\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", prologue + code],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **self.env},
+            timeout=timeout,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        return proc.stdout
+
+    def afd_left(self) -> dict[str, Any]:
+        """The afd actors and placement groups still alive in the cluster."""
+        out = self.run(
+            "from ray.util.placement_group import placement_group_table\n"
+            "actors = [a['name'] for a in ray.util.list_named_actors(all_namespaces=True)\n"
+            "          if a['name'].startswith('afd-')]\n"
+            "pgs = [p['name'] for p in placement_group_table().values()\n"
+            "       if p['name'].startswith('afd-') and p['state'] != 'REMOVED']\n"
+            "print(json.dumps({'actors': actors, 'placement_groups': pgs}))\n"
+        )
+        return dict(json.loads(out.strip().splitlines()[-1]))
+
+    def stop(self) -> list[int]:
+        """SIGTERM the cluster (``ray start --block`` stops what it started), SIGKILL
+        what is left after 30 s; the processes left after that."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(30)
+        deadline = time.monotonic() + 10
+        while group_pgid_members([self.proc.pid]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+        left = group_pgid_members([self.proc.pid])
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        return left
+
+
+@pytest.fixture(scope="module")
+def native_tokens(tiny_models: dict[str, Path]) -> list[list[int]]:
+    """Greedy tokens of native vLLM for PROMPTS, one request at a time (started by the
+    local launcher with the spec's engine arguments)."""
+    from afd.demo import complete_each
+    from afd.launch import Deployment, DeploymentSpec
+
+    spec = DeploymentSpec(model=str(tiny_models["deepseek_v2"]), native=True)
+    with Deployment(spec, echo=False, progress_every_s=60) as dep:
+        ids, _ = complete_each(dep.url, PROMPTS)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(native_tokens: list[list[int]]) -> Iterator[RayCluster]:
+    # (after the native reference: the two never compete for the cores)
+    cluster = RayCluster()
+    try:
+        yield cluster
+    finally:
+        left = cluster.stop()
+    assert left == [], f"Ray processes left after the cluster stopped: {left}"
+
+
+def _spec(tmp: Path, model: Path, num_attention: int) -> Path:
+    spec = tmp / f"{num_attention}a1f.toml"
+    spec.write_text(
+        f'model = "{model}"\nnum_attention = {num_attention}\nnum_ffn = 1\n'
+        f'log_dir = "{tmp / "logs"}"\n'
+        "[afd]\nconnect_timeout_s = 300\ntransfer_timeout_s = 120\n"
+        f'[ray]\nnamespace = "{NAMESPACE}"\nplacement_timeout_s = 60\n'
+        "[ray.attention]\nnum_cpus = 1\n[ray.ffn]\nnum_cpus = 1\n"
+    )
+    return spec
+
+
+def _processes_naming(*texts: str) -> list[str]:
+    """Command lines of live processes that contain any of ``texts``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in ("Z", "X") and any(t in cmdline for t in texts):
+            found.append(f"{entry}: {cmdline[:200]}")
+    return found
+
+
+def _launch_ready(cluster: RayCluster, spec: Path, tmp: Path) -> tuple[Launcher, str, float]:
+    t0 = time.monotonic()
+    launcher = Launcher(spec, tmp, "--ray", cluster.address, env=cluster.env)
+    ready = launcher.wait_for(r"running; Ctrl-C or SIGTERM", STARTUP_S)
+    assert ready, f"deployment did not come up:\n{launcher.output[-8000:]}"
+    out = launcher.output
+    urls = re.findall(r"^\[afd\]\s+(http://[\d.]+:\d+)/v1", out, re.M)
+    assert len(urls) == 1, out[-3000:]
+    # placed by Ray: one actor per role in one placement group, the rendezvous on the
+    # attention actor's node, each role's log streamed with its prefix
+    assert re.search(r"^\[afd\] ray placement group STRICT_PACK \(P2pShmAFDConnector", out, re.M)
+    assert re.search(r"^\[afd\] ffn0: actor afd-\w+-ffn0 on .*127\.0\.0\.1", out, re.M)
+    assert re.search(r"^\[afd\] rendezvous: 127\.0\.0\.1:\d+ \(attention rank 0's node", out, re.M)
+    assert re.search(r"^\[ffn0\] .*AFD FFN rank 0: attention peers connected; serving", out, re.M)
+    assert re.search(r"^\[attn\] ", out, re.M)
+    assert "admission: a token generated for this deployment" in out
+    return launcher, urls[0], time.monotonic() - t0
+
+
+def _assert_nothing_left(cluster: RayCluster, launcher: Launcher, model: Path) -> None:
+    pgids = launcher.role_pgids()
+    assert set(pgids) == {"ffn0", "attn"}, launcher.output[-3000:]
+    deadline = time.monotonic() + 20  # a dead actor's guard may still be stopping its role
+    while time.monotonic() < deadline and (
+        group_pgid_members(list(pgids.values())) or _processes_naming(str(model))
+    ):
+        time.sleep(0.5)
+    assert group_pgid_members([*pgids.values(), launcher.proc.pid]) == []
+    assert _processes_naming(str(model)) == []
+    # the roles' guards (python -m afd.launch.guard OWNER START PGID GRACE) are gone too
+    guards = [g for g in _processes_naming("afd.launch.guard") if g.split()[-2] in
+              {str(p) for p in pgids.values()}]  # fmt: skip
+    assert guards == []
+    assert cluster.afd_left() == {"actors": [], "placement_groups": []}
+
+
+def test_ray_1a1f_parity_then_sigterm_leaves_nothing(
+    ray_cluster: RayCluster,
+    tiny_models: dict[str, Path],
+    native_tokens: list[list[int]],
+    tmp_path: Path,
+) -> None:
+    from afd.demo import complete_each
+
+    model = tiny_models["deepseek_v2"]
+    launcher, url, startup_s = _launch_ready(ray_cluster, _spec(tmp_path, model, 1), tmp_path)
+    try:
+        assert re.search(r"^\[afd\] cpus on .*: attn=0, ffn0=1", launcher.output, re.M) or (
+            os.cpu_count() != 2
+        )
+        got, _ = complete_each(url, PROMPTS)
+        assert_same_tokens(got, native_tokens, PROMPTS)
+        t0 = time.monotonic()
+        launcher.proc.send_signal(signal.SIGTERM)
+        rc = launcher.proc.wait(timeout=60)
+        stop_s = time.monotonic() - t0
+        launcher._reader.join(5)
+        out = launcher.output
+        assert rc == 0, out[-3000:]
+        assert "stopped; no process left" in out
+        assert re.search(r"ray: 2 actor\(s\) and the placement group removed; nothing of", out)
+        _assert_nothing_left(ray_cluster, launcher, model)
+        print(f"1A1F on Ray: ready in {startup_s:.1f} s, stopped in {stop_s:.1f} s")
+    finally:
+        launcher.kill_all()
+
+
+def test_ray_2a1f_parity_then_killed_ffn_actor_stops_the_rest(
+    ray_cluster: RayCluster,
+    tiny_models: dict[str, Path],
+    native_tokens: list[list[int]],
+    tmp_path: Path,
+) -> None:
+    from afd.demo import complete_each
+
+    model = tiny_models["deepseek_v2"]
+    launcher, url, startup_s = _launch_ready(ray_cluster, _spec(tmp_path, model, 2), tmp_path)
+    try:
+        got, _ = complete_each(url, PROMPTS)
+        assert_same_tokens(got, native_tokens, PROMPTS)
+        name = re.search(r"^\[afd\] ffn0: actor (afd-\w+-ffn0) ", launcher.output, re.M)
+        assert name, launcher.output[-3000:]
+        t0 = time.monotonic()
+        ray_cluster.run(f"ray.kill(ray.get_actor({name[1]!r}, namespace={NAMESPACE!r}))\n")
+        rc = launcher.proc.wait(timeout=90)
+        stop_s = time.monotonic() - t0
+        launcher._reader.join(5)
+        out = launcher.output
+        died = re.search(
+            r"^\[afd\] ffn0 lost its Ray actor on .*; stopping the deployment$", out, re.M
+        )
+        assert died, out[-4000:]
+        assert rc == 1, out[-3000:]
+        assert re.search(r"^\[afd\] stopping: SIGTERM to ffn0, attn$", out, re.M)
+        assert re.search(r"^\[afd\] ffn0: its Ray actor is gone .* its guard on", out, re.M)
+        assert re.search(r"ray: 2 actor\(s\) and the placement group removed; nothing of", out)
+        _assert_nothing_left(ray_cluster, launcher, model)
+        print(f"2A1F on Ray: ready in {startup_s:.1f} s; after the FFN actor's kill: "
+              f"{died[0]!r}, exit {rc} in {stop_s:.1f} s")  # fmt: skip
+    finally:
+        launcher.kill_all()
