@@ -1,11 +1,10 @@
-"""Drift tests for the one patch afd-models-qwen applies to vLLM.
+"""Drift tests for what afd-models-qwen still does per family.
 
-The wrappers replace a few module-level names of vLLM's Qwen model files while vLLM's
-own constructors run (afd_core.patching.scoped_globals). These tests fail when upstream
-renames one of those names or stops calling it where we expect: exactly when the
-role-aware construction would silently build native modules again. The seam that imports
-vLLM's qwen3_5 without torchvision (afd_models_qwen.qwen3_5_import) has its own checks:
-still needed, still sufficient, nothing left behind, other vLLM versions refused.
+Its Qwen3-MoE / Qwen3.5 classes are the generic path's (afd_moe_runners.generic, which
+swaps ``FusedMoEFactory`` and the classes it finds in the model modules' globals while
+vLLM's constructors run). What is Qwen-specific is the seam that imports vLLM's qwen3_5
+without torchvision (afd_models_qwen.qwen3_5_import): still needed, still sufficient,
+nothing left behind, other vLLM versions refused.
 """
 
 from __future__ import annotations
@@ -31,77 +30,30 @@ def test_supported_vllm_line() -> None:
     )
 
 
-def test_every_qwen3_moe_substituted_name_still_exists() -> None:
-    from afd_models_qwen.qwen3_moe import SUBSTITUTED_NAMES
+def test_the_classes_are_the_generic_paths() -> None:
+    from afd_models_qwen import qwen3_5_moe, qwen3_moe
+    from afd_moe_runners.generic import GenericRoleModel
 
-    for role, names in SUBSTITUTED_NAMES.items():
-        for name in names:
-            assert hasattr(qm, name), f"{role.value}: qwen3_moe.{name} is gone"
-
-
-@pytest.mark.parametrize(
-    ("constructor", "names"),
-    [
-        ("Qwen3MoeSparseMoeBlock.__init__", {"FusedMoEFactory", "Qwen3MoeMLP"}),
-        (
-            "Qwen3MoeDecoderLayer.__init__",
-            {"Qwen3MoeAttention", "Qwen3MoeSparseMoeBlock", "Qwen3MoeMLP"},
-        ),
-        ("Qwen3MoeModel.__init__", {"VocabParallelEmbedding"}),
-        ("Qwen3MoeForCausalLM.__init__", {"ParallelLMHead", "Qwen3MoeModel"}),
-    ],
-)
-def test_qwen3_moe_constructors_still_call_the_substituted_names(
-    constructor: str, names: set[str]
-) -> None:
-    from afd_core.patching import referenced_globals
-
-    cls_name, attr = constructor.split(".")
-    func = getattr(getattr(qm, cls_name), attr)
-    missing = names - referenced_globals(func)
-    assert not missing, f"{constructor} no longer refers to {sorted(missing)}"
+    for cls in (
+        qwen3_moe.AFDQwen3MoeForCausalLM,
+        qwen3_5_moe.AFDQwen3_5MoeForCausalLM,
+        qwen3_5_moe.AFDQwen3_5MoeForConditionalGeneration,
+    ):
+        assert issubclass(cls, GenericRoleModel), cls
+    assert qwen3_moe.AFDQwen3MoeForCausalLM.afd_native_class is qm.Qwen3MoeForCausalLM
 
 
-def test_qwen3_moe_for_causal_lm_still_does_not_forward_decoder_layer_type() -> None:
-    """Why the wrapper patches names instead of using ``decoder_layer_type``: if this
-    starts failing, upstream made the seam reachable and the patch may be retired."""
-    import inspect
-
-    assert "decoder_layer_type: type" in inspect.getsource(qm.Qwen3MoeModel)
-    src = inspect.getsource(qm.Qwen3MoeForCausalLM.__init__)
-    assert "decoder_layer_type" not in src
-
-
-def test_qwen3_next_block_still_calls_the_factory() -> None:
-    qn = pytest.importorskip("vllm.model_executor.models.qwen3_next")
-    from afd_core.patching import referenced_globals
-    from afd_models_qwen.qwen3_5_moe_names import SUBSTITUTED_NAMES
-
-    for role, modules in SUBSTITUTED_NAMES.items():
-        for name in modules.get("vllm.model_executor.models.qwen3_next", ()):
-            assert hasattr(qn, name), f"{role.value}: qwen3_next.{name} is gone"
-    assert "FusedMoEFactory" in referenced_globals(qn.Qwen3NextSparseMoeBlock.__init__)
-
-
-def test_qwen3_5_constructors_still_call_the_substituted_names() -> None:
+def test_qwen_blocks_still_build_through_the_factory_by_name() -> None:
     from afd_core.patching import referenced_globals
     from afd_models_qwen.qwen3_5_import import import_qwen3_5
-    from afd_models_qwen.qwen3_5_moe_names import SUBSTITUTED_NAMES
 
+    qn = pytest.importorskip("vllm.model_executor.models.qwen3_next")
+    assert "FusedMoEFactory" in referenced_globals(qm.Qwen3MoeSparseMoeBlock.__init__)
+    assert "FusedMoEFactory" in referenced_globals(qn.Qwen3NextSparseMoeBlock.__init__)
     q5 = import_qwen3_5()
-    for role, modules in SUBSTITUTED_NAMES.items():
-        for name in modules.get("vllm.model_executor.models.qwen3_5", ()):
-            assert hasattr(q5, name), f"{role.value}: qwen3_5.{name} is gone"
-    layer = referenced_globals(q5.Qwen3_5DecoderLayer.__init__)
-    assert {"QwenGatedDeltaNetAttention", "Qwen3NextAttention", "Qwen3NextSparseMoeBlock"} <= layer
-    assert "VocabParallelEmbedding" in referenced_globals(q5.Qwen3_5Model.__init__)
-    assert "ParallelLMHead" in referenced_globals(q5.Qwen3_5ForCausalLMBase.__init__)
+    assert "Qwen3NextSparseMoeBlock" in referenced_globals(q5.Qwen3_5DecoderLayer.__init__)
 
 
-# ------------------------------------------- the torchvision-free import of qwen3_5
-
-# One fresh interpreter (vLLM imported once, ~10 s): (1) vLLM's qwen3_5 imported plainly,
-# (2) through the seam with vLLM's version faked to another line, (3) through the seam.
 SEAM_PROBE = """
 import ast, json, sys, traceback
 import vllm.model_executor.models

@@ -52,6 +52,7 @@ __all__ = [
     "ALIAS_PREFIX",
     "GenericRoleModel",
     "afd_alias",
+    "classify_weight",
     "native_model_class",
     "role_model_class",
     "split_plan_of",
@@ -301,13 +302,25 @@ class GenericRoleModel(role_model.AFDRoleModel):
         return self.afd_plan.ffn_blocks(self)  # type: ignore[arg-type]
 
     def afd_classify_weight(self, name: str) -> WeightOwner:
-        mapper = getattr(self.afd_native_class, "hf_to_vllm_mapper", None)
-        vllm_name = mapper.map_name(name) if mapper is not None else name
-        if vllm_name is None:
-            return WeightOwner.BOTH  # the native loader skips it
-        return self.afd_plan.owner(
-            vllm_name, gate_on_attention=self.afd_config.compute_gate_on_attention
+        return classify_weight(
+            self.afd_native_class,
+            self.afd_plan,
+            name,
+            gate_on_attention=self.afd_config.compute_gate_on_attention,
         )
+
+
+def classify_weight(
+    native: type, plan: SplitPlan, name: str, *, gate_on_attention: bool
+) -> WeightOwner:
+    """Which role loads checkpoint tensor ``name``: the plan's owner of its vLLM path
+    (after the model's own ``hf_to_vllm_mapper``; a name the mapper drops goes to both
+    roles, whose native loaders skip it)."""
+    mapper = getattr(native, "hf_to_vllm_mapper", None)
+    vllm_name = mapper.map_name(name) if mapper is not None else name
+    if vllm_name is None:
+        return WeightOwner.BOTH
+    return plan.owner(vllm_name, gate_on_attention=gate_on_attention)
 
 
 def _is_multimodal(native: type) -> bool:

@@ -196,6 +196,17 @@ def _deepseek_v3(variant: str | None) -> dict[str, Any]:
     }
 
 
+def _deepseek_v32(variant: str | None) -> dict[str, Any]:
+    """DeepSeek-V3.2: V3's MLA and routing plus the sparse-attention indexer."""
+    _no_variants("deepseek_v32", variant)
+    return {
+        **_deepseek_v3(None),
+        "index_topk": 16,
+        "index_head_dim": 64,
+        "index_n_heads": 4,
+    }
+
+
 def _qwen3_moe(variant: str | None) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "hidden_size": 128,
@@ -488,6 +499,15 @@ register_tiny_arch(
 )
 register_tiny_arch(
     TinySpec("qwen3_5_moe_text", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _qwen3_5_moe_text)
+)
+register_tiny_arch(
+    TinySpec(
+        "deepseek_v32",
+        "DeepseekV32Config",
+        "DeepseekV32ForCausalLM",
+        _deepseek_v32,
+        extra_buffers=("e_score_correction_bias",),
+    )
 )
 register_tiny_arch(TinySpec("mixtral", "MixtralConfig", "MixtralForCausalLM", _mixtral))
 register_tiny_arch(
