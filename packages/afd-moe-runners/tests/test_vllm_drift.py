@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from typing import Any
 
 import pytest
 
@@ -96,3 +97,31 @@ def test_public_seams_the_runners_rely_on() -> None:
     for name in ("maybe_forward_async", "wait", "forward", "output"):
         assert hasattr(SharedExperts, name), name
     assert "additional_kwargs" in ForwardContext.__dataclass_fields__
+
+
+def test_get_rope_caches_in_the_dict_the_dry_build_restores(vllm_config: Any) -> None:
+    """The split plan's dry build (on ``meta``) restores ``_ROPE_DICT`` afterwards; this
+    fails when get_rope caches elsewhere (a ``meta`` rotary embedding could then reach
+    the real build, which refuses it)."""
+    import torch
+    from vllm.model_executor.layers import rotary_embedding
+
+    with torch.device("meta"):
+        before = dict(rotary_embedding._ROPE_DICT)
+        rope = rotary_embedding.get_rope(32, 128)
+        assert rotary_embedding.get_rope(32, 128) is rope
+        assert rope in rotary_embedding._ROPE_DICT.values()
+    rotary_embedding._ROPE_DICT.clear()
+    rotary_embedding._ROPE_DICT.update(before)
+
+
+def test_the_dry_build_leaves_no_meta_layer_in_vllm_caches(vllm_config: Any) -> None:
+    import torch
+    from vllm.model_executor.layers import rotary_embedding
+
+    from afd_moe_runners.split_plan import _private_layer_caches
+
+    before = dict(rotary_embedding._ROPE_DICT)
+    with _private_layer_caches(), torch.device("meta"):
+        rotary_embedding.get_rope(32, 96)
+    assert before == rotary_embedding._ROPE_DICT
