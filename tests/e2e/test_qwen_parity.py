@@ -66,7 +66,8 @@ MATRIX = pytest.mark.matrix
 @pytest.mark.parametrize(
     ("variant", "gate"),
     [
-        # Gate on FFN with Qwen runs by default in test_micro_batch_parity (m=2).
+        # Gate on FFN through the generic path runs by default with Mixtral
+        # (test_generic_families); every Qwen case of it in `tests-matrix`.
         pytest.param(None, "ffn", marks=MATRIX),
         pytest.param(None, "attention-topk", marks=MATRIX),
         pytest.param("no_norm_topk", "ffn", marks=MATRIX),

@@ -193,6 +193,7 @@ def test_sparse_attention_is_refused_on_cpu_as_native_vllm_refuses_it(
         check_model(str(model))
 
 
+@pytest.mark.matrix  # `nox -s tests-matrix` (CI runs it)
 def test_an_unreadable_model_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))
     proc = subprocess.run(

@@ -176,6 +176,7 @@ print("RESULT " + json.dumps(result))
 """
 
 
+@pytest.mark.matrix  # `nox -s tests-matrix` (CI runs it): the default run's time budget
 def test_qwen3_5_moe_is_inspected_in_vllm_registry_subprocess(tmp_path: Path) -> None:
     """vLLM inspects a model class in a subprocess of its own (``python -m
     vllm.model_executor.models.registry``) that imports the model file after loading the
@@ -202,12 +203,8 @@ def test_qwen3_5_moe_is_inspected_in_vllm_registry_subprocess(tmp_path: Path) ->
         assert list((tmp_path / "cache" / "modelinfos").glob(f"*qwen3_5-{arch}.json")), arch
 
 
-@pytest.mark.parametrize(
-    "gate_on_attention",
-    # Gate on Attention in `nox -s tests-matrix`: its Qwen-specific part (the router kept
-    # by strip_attention_moe) is the Qwen3-MoE wrapper's, tested here with both gates.
-    [False, pytest.param(True, marks=pytest.mark.matrix)],
-)
+@pytest.mark.matrix  # `nox -s tests-matrix`: the generic path's inventories run by default
+@pytest.mark.parametrize("gate_on_attention", [False, True])
 def test_qwen3_5_moe_role_inventories(
     tiny_qwen_models: dict[str, Path],
     tmp_path: Path,
