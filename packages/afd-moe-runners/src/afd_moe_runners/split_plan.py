@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -108,8 +109,13 @@ class SplitPlan:
     def supported(self) -> bool:
         return not self.problems
 
-    def layer(self, index: int) -> LayerPlan:
-        return next(layer for layer in self.layers if layer.index == index)
+    @functools.cached_property
+    def _by_index(self) -> dict[int, LayerPlan]:
+        return {layer.index: layer for layer in self.layers}
+
+    @functools.cached_property
+    def _embedding_paths(self) -> tuple[str, ...]:
+        return (*self.embedding_prefixes, *self.lm_head_prefixes)
 
     # ------------------------------------------------------------- module paths
 
@@ -145,12 +151,17 @@ class SplitPlan:
     # ---------------------------------------------------------------- ownership
 
     def category(self, name: str) -> str:
-        """Category of a parameter or module path of the built model (inventory)."""
-        for layer in self.layers:
-            head = f"{layer.prefix}."
-            if not name.startswith(head):
-                continue
-            child, _, rest = name[len(head) :].partition(".")
+        """Category of a parameter or module path of the built model (inventory).
+
+        Called for every parameter and every checkpoint tensor: the decoder layer is
+        looked up by the index in the path, not searched for."""
+        head = f"{self.layers_prefix}."
+        if self.layers_prefix and name.startswith(head):
+            index, _, in_layer = name[len(head) :].partition(".")
+            layer = self._by_index.get(int(index)) if index.isdigit() else None
+            if layer is None:
+                return "other"
+            child, _, rest = in_layer.partition(".")
             if child in layer.attention:
                 return "attention"
             if child == layer.ffn and layer.kind == "dense":
@@ -165,9 +176,7 @@ class SplitPlan:
                     return "routed_experts"
                 return "moe_other"
             return "other"
-        if any(name == p or name.startswith(f"{p}.") for p in self.embedding_prefixes):
-            return "embedding"
-        if any(name == p or name.startswith(f"{p}.") for p in self.lm_head_prefixes):
+        if any(name == p or name.startswith(f"{p}.") for p in self._embedding_paths):
             return "embedding"
         return "other"
 
@@ -189,13 +198,11 @@ class SplitPlan:
         category = self.category(vllm_name)
         if category in ("attention", "embedding"):
             return WeightOwner.ATTENTION
-        if category == "gate":
-            return WeightOwner.BOTH if gate_on_attention else WeightOwner.FFN
         if category in ("routed_experts", "shared_experts", "dense_mlp"):
             return WeightOwner.FFN
-        if category == "moe_other":
-            # A block tensor vLLM's loader renames into the block (e.g. a router bias
-            # stored beside the gate): the router's owner(s), to be safe with it.
+        if category in ("gate", "moe_other"):
+            # moe_other: a block tensor vLLM's loader renames into the block (e.g. a
+            # router bias stored beside the gate): the router's owner(s), to be safe.
             return WeightOwner.BOTH if gate_on_attention else WeightOwner.FFN
         return WeightOwner.BOTH
 
