@@ -6,14 +6,11 @@ tests/support/afd_role_models.py.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from afd_role_models import build_role_model, run_role_model_build
+from afd_role_models import build_role_model, run_probe, run_role_model_build
 
 pytestmark = [pytest.mark.vllm]
 
@@ -136,17 +133,7 @@ def test_qwen3_moe_ffn_compute_is_model_independent(
     """The FFN role serves vLLM's own Qwen blocks and runner through FFNLayerCompute."""
     env = {**os.environ, "TMPDIR": str(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE, str(tiny_qwen_models["dense_layers"])],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
+    result = run_probe(PROBE, str(tiny_qwen_models["dense_layers"]), env=env)
     assert result["compute_module"] == "afd_moe_runners.ffn_compute"
     layers = result["layers"]
     assert sorted(layers) == ["0", "1", "2"]
@@ -183,17 +170,7 @@ def test_qwen3_5_moe_is_inspected_in_vllm_registry_subprocess(tmp_path: Path) ->
     general plugins; a fresh VLLM_CACHE_ROOT makes it run instead of reading its cache."""
     env = {**os.environ, "TMPDIR": str(tmp_path), "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
     archs = ["Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"]
-    proc = subprocess.run(
-        [sys.executable, "-c", INSPECT, *archs],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
+    result = run_probe(INSPECT, *archs, env=env)
     assert result == {
         "Qwen3_5MoeForCausalLM": {"is_hybrid": True, "multimodal": False},
         "Qwen3_5MoeForConditionalGeneration": {"is_hybrid": True, "multimodal": True},

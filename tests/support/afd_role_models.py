@@ -63,12 +63,30 @@ def run_role_model_build(
     )
 
 
+def probe_result(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """The JSON of the last ``RESULT {...}`` line a probe printed; the probe must have
+    exited 0 (else its output tails are the failure message)."""
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return dict(json.loads(lines[-1][len("RESULT ") :]))
+
+
+def run_probe(code: str, *argv: str, env: dict[str, str], timeout: float = 300) -> dict[str, Any]:
+    """Run ``python -c code argv...`` with ``env`` and return its ``RESULT`` JSON."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+    return probe_result(proc)
+
+
 def build_role_model(
     model_dir: Path, arch: str, afd: dict[str, object], tmp_path: Path
 ) -> dict[str, Any]:
     """The built model's parameter inventory, parameter names, and the checkpoint tensors
     it loaded / left to the other role by owner (``owners``: ``kept`` / ``dropped``)."""
-    proc = run_role_model_build(model_dir, arch, afd, tmp_path)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return dict(json.loads(lines[-1][len("RESULT ") :]))
+    return probe_result(run_role_model_build(model_dir, arch, afd, tmp_path))
