@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,3 +41,21 @@ def tiny_qwen_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str | Non
         "qwen3_5_moe_text", root / checkpoint_name("qwen3_5_moe_text")
     )
     return models
+
+
+# ------------------------------------------------------------------ failure digest
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """After the run: each failed test with the lines of its report that name a cause
+    (CI keeps the end of the output; a failure's own report may be cut)."""
+    from afd_failure_digest import failure_digest
+
+    reports = [*terminalreporter.stats.get("failed", []), *terminalreporter.stats.get("error", [])]
+    if not reports:
+        return
+    terminalreporter.section("afd failure digest")
+    for report in reports:
+        terminalreporter.write_line(f"{report.nodeid} ({report.when}):")
+        for line in failure_digest(report.longreprtext) or ["(no cause line found)"]:
+            terminalreporter.write_line(f"    {line}")

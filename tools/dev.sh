@@ -28,7 +28,8 @@ fi
 
 case "${1:-test}" in
     test) shift || true; uv lock --check; exec nox -s lint typecheck core-no-torch tests build "$@" ;;
-    ci) shift || true; exec nox -s tests-matrix install-each install-smoke "$@" ;;
+    # the matrix last: CI keeps the end of the output (its failure digest)
+    ci) shift || true; exec nox -s install-each install-smoke tests-matrix "$@" ;;
     demo) shift; exec nox -s demo -- "$@" ;;
     *) exec nox "$@" ;;
 esac

@@ -386,9 +386,14 @@ def run_offline_afd(
         llm_kwargs["worker_cls"] = "afd.worker.AFDCPUWorker"
     try:
         ffn.wait_ready()
-        result = offline_greedy(
-            model, tmp / "afd.json", tmp, llm_kwargs, prompts=prompts, dtype=dtype
-        )
+        try:
+            result = offline_greedy(
+                model, tmp / "afd.json", tmp, llm_kwargs, prompts=prompts, dtype=dtype
+            )
+        except AssertionError as exc:
+            # the Attention role's failure may come from its peer: show both
+            ffn_log = ffn.output[-3000:]
+            raise AssertionError(f"{exc}\n--- FFN role's log (end) ---\n{ffn_log}") from None
         assert ffn.wait_exit(timeout=30) == 0, ffn.output[-3000:]
     finally:
         ffn.kill()

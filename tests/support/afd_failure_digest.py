@@ -1,0 +1,27 @@
+"""The lines of a test failure that name its cause (printed by tests/conftest.py after
+the run: CI keeps the end of the output, where a long assertion message is already cut)."""
+
+from __future__ import annotations
+
+import re
+
+#: Lines of a failure that name a cause: exception lines (also inside a role's log,
+#: e.g. "[rank0]: ValueError: ..."), afd's own error lines, failed assertions.
+_CAUSE = re.compile(
+    r"(\b\w*(Error|Exception|Exit|Interrupt)\b:|\bassert |\berror\b|\bfailed\b|\btimed out\b"
+    r"|\bnot ready\b|\bexited\b|\bTraceback\b)",
+    re.IGNORECASE,
+)
+_FRAME = re.compile(r"^\W*(\[rank\d+\]:\s*)?File \"")
+
+
+def failure_digest(text: str, max_lines: int = 14, width: int = 400) -> list[str]:
+    """The lines of a failure report that name its cause, last ones kept (a long log in
+    an assertion message is otherwise cut where CI shows it)."""
+    seen: dict[str, None] = {}
+    for line in text.splitlines():
+        s = line.strip()
+        if s and _CAUSE.search(s) and not _FRAME.match(s):
+            seen.pop(s, None)
+            seen[s] = None
+    return [s[:width] for s in list(seen)[-max_lines:]]
