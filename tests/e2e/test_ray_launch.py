@@ -26,7 +26,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -60,9 +59,9 @@ NAMESPACE = "afd-e2e"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from afd_core.ports import free_port
+
+    return free_port("127.0.0.1")
 
 
 class RayCluster:
@@ -235,17 +234,21 @@ def _launch_ready(cluster: RayCluster, spec: Path, tmp: Path) -> tuple[Launcher,
 def _assert_nothing_left(cluster: RayCluster, launcher: Launcher, model: Path) -> None:
     pgids = launcher.role_pgids()
     assert set(pgids) == {"ffn0", "attn"}, launcher.output[-3000:]
+
+    def guards() -> list[str]:
+        # the roles' guards (python -m afd.launch.guard OWNER START PGID GRACE); one
+        # leaves within its poll interval (0.5 s) of its role's group emptying
+        return [g for g in _processes_naming("afd.launch.guard") if g.split()[-2] in
+                {str(p) for p in pgids.values()}]  # fmt: skip
+
     deadline = time.monotonic() + 20  # a dead actor's guard may still be stopping its role
     while time.monotonic() < deadline and (
-        group_pgid_members(list(pgids.values())) or _processes_naming(str(model))
+        group_pgid_members(list(pgids.values())) or _processes_naming(str(model)) or guards()
     ):
         time.sleep(0.5)
     assert group_pgid_members([*pgids.values(), launcher.proc.pid]) == []
     assert _processes_naming(str(model)) == []
-    # the roles' guards (python -m afd.launch.guard OWNER START PGID GRACE) are gone too
-    guards = [g for g in _processes_naming("afd.launch.guard") if g.split()[-2] in
-              {str(p) for p in pgids.values()}]  # fmt: skip
-    assert guards == []
+    assert guards() == []
     assert cluster.afd_left() == {"actors": [], "placement_groups": []}
 
 

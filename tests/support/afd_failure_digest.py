@@ -18,8 +18,12 @@ _FRAME = re.compile(r"^\W*(\[rank\d+\]:\s*)?File \"")
 def failure_digest(text: str, max_lines: int = 14, width: int = 400) -> list[str]:
     """The lines of a failure report that name its cause, last ones kept (a long log in
     an assertion message is otherwise cut where CI shows it)."""
+    lines = text.splitlines()
+    # pytest's report: "E" lines (the error, with any log an assertion quotes) and the
+    # ">" line that failed; its other lines are source around them.
+    marked = [ln for ln in lines if ln.startswith(("E ", ">"))]
     seen: dict[str, None] = {}
-    for line in text.splitlines():
+    for line in marked or lines:
         s = line.strip()
         if s and _CAUSE.search(s) and not _FRAME.match(s):
             seen.pop(s, None)

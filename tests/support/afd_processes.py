@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,9 +24,11 @@ ENGINE_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilizati
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port outside the ephemeral range (no role's own sockets take it
+    before the role that is given it binds it)."""
+    from afd_core.ports import free_port as pick
+
+    return pick("127.0.0.1")
 
 
 def role_env(tmp: Path, devices: str | None = None) -> dict[str, str]:

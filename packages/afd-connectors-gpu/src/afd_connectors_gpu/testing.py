@@ -20,13 +20,13 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from afd_core import ports
 from afd_core.config import AFDRole
 from afd_core.errors import AFDPeerLostError, AFDTimeoutError
 from afd_core.topology import AFDTopology
@@ -53,9 +53,8 @@ def rank_config(topology: AFDTopology, global_rank: int, **values: Any) -> Any:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A free port outside the ephemeral range (:func:`afd_core.ports.free_port`)."""
+    return ports.free_port(host)
 
 
 class _UnpicklableResult(Exception):

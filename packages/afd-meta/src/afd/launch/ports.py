@@ -2,119 +2,94 @@
 rendezvous port and the FFN servers' ``/health`` + ``/metrics`` ports, all distinct.
 
 A fixed port from the spec is bind-tested (a :class:`DeploymentError` names the one in
-use); 0 picks free ports from the OS, holding every test socket open until all are
-chosen so that no two roles get the same one.
+use); 0 picks free ports outside the host's ephemeral range
+(:func:`afd_core.ports.free_port`), no two roles the same one.
 """
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterable, Sequence
 
 from afd.launch.errors import DeploymentError
 from afd.launch.spec import DeploymentSpec
+from afd_core.ports import free_port, port_bindable
 
 __all__ = ["allocate_health_ports", "allocate_ports", "reserve_ports"]
 
-_TRIES = 100
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
 
 class _FreePorts:
-    """Free ports of ``host`` from the OS, none of them in ``taken`` (which grows with
-    every port given); each test socket stays open until :meth:`close`."""
+    """Free ports of ``host`` (:func:`afd_core.ports.free_port`: outside the ephemeral
+    range, so that no other process's outgoing socket takes one before its role binds
+    it), none of them in ``taken``, which grows with every port given."""
 
     def __init__(self, host: str, taken: set[int]) -> None:
         self.host = host
         self.taken = taken
-        self._held: list[socket.socket] = []
 
     def in_use(self, port: int) -> bool:
         """Whether a fixed ``port`` is taken already or cannot be bound."""
-        return port in self.taken or not _port_free(self.host, port)
+        return port in self.taken or not port_bindable(self.host, port)
 
     def pick(self) -> int:
-        for _ in range(_TRIES):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            self._held.append(s)
-            s.bind((self.host, 0))
-            port = int(s.getsockname()[1])
-            if port not in self.taken:
-                self.taken.add(port)
-                return port
-        raise DeploymentError("could not find a free port")
-
-    def close(self) -> None:
-        for s in self._held:
-            s.close()
+        try:
+            port = free_port(self.host, self.taken)
+        except OSError as exc:
+            raise DeploymentError(f"could not find a free port: {exc}") from None
+        self.taken.add(port)
+        return port
 
 
 def allocate_ports(spec: DeploymentSpec, *, avoid: Iterable[int] = ()) -> tuple[list[int], int]:
     """``(http ports of the attention servers, connector port)``: all distinct.
 
     Fixed ports from the spec are bind-tested (a :class:`DeploymentError` names the
-    one in use); 0 picks free ports from the OS, holding every test socket open until
-    all are chosen so that no two roles get the same one.
+    one in use); 0 picks free ports (:func:`afd_core.ports.free_port`), all distinct.
     """
     n_http = 1  # one attention server; its data-parallel ranks are the attention ranks
     ports = _FreePorts(spec.host, set(avoid))
-    try:
-        if spec.http_port:
-            http = list(range(spec.http_port, spec.http_port + n_http))
-            for i, p in enumerate(http):
-                if ports.in_use(p):
-                    raise DeploymentError(
-                        f"port {p} (HTTP of attention server {i}) is in use; "
-                        "choose another http_port or 0 for free ports"
-                    )
-            ports.taken.update(http)
-        else:
-            http = [ports.pick() for _ in range(n_http)]
-        if spec.native:
-            return http, 0
-        if spec.connector_port:
-            conn = spec.connector_port
-            if ports.in_use(conn):
+    if spec.http_port:
+        http = list(range(spec.http_port, spec.http_port + n_http))
+        for i, p in enumerate(http):
+            if ports.in_use(p):
                 raise DeploymentError(
-                    f"port {conn} (AFD connector rendezvous) is in use or taken by an HTTP "
-                    "port; choose another connector_port or 0 for a free port"
+                    f"port {p} (HTTP of attention server {i}) is in use; "
+                    "choose another http_port or 0 for free ports"
                 )
-        else:
-            conn = ports.pick()
-        return http, conn
-    finally:
-        ports.close()
+        ports.taken.update(http)
+    else:
+        http = [ports.pick() for _ in range(n_http)]
+    if spec.native:
+        return http, 0
+    if spec.connector_port:
+        conn = spec.connector_port
+        if ports.in_use(conn):
+            raise DeploymentError(
+                f"port {conn} (AFD connector rendezvous) is in use or taken by an HTTP "
+                "port; choose another connector_port or 0 for a free port"
+            )
+    else:
+        conn = ports.pick()
+    return http, conn
 
 
 def allocate_health_ports(spec: DeploymentSpec, *, avoid: Iterable[int] = ()) -> list[int]:
     """The ``/health`` + ``/metrics`` ports of the FFN servers, distinct from ``avoid``
     (the ports :func:`allocate_ports` gave): ``ffn_health_port + rank`` bind-tested, or
-    free ports from the OS when it is 0."""
+    free ports when it is 0."""
     if spec.native:
         return []
     ports = _FreePorts(spec.host, set(avoid))
-    try:
-        if not spec.ffn_health_port:
-            return [ports.pick() for _ in range(spec.num_ffn)]
-        fixed = list(range(spec.ffn_health_port, spec.ffn_health_port + spec.num_ffn))
-        for rank, p in enumerate(fixed):
-            if ports.in_use(p):
-                raise DeploymentError(
-                    f"port {p} (health/metrics of FFN server {rank}) is in use or taken by "
-                    "another port of the deployment; choose another ffn_health_port or 0 "
-                    "for free ports"
-                )
-        return fixed
-    finally:
-        ports.close()
+    if not spec.ffn_health_port:
+        return [ports.pick() for _ in range(spec.num_ffn)]
+    fixed = list(range(spec.ffn_health_port, spec.ffn_health_port + spec.num_ffn))
+    for rank, p in enumerate(fixed):
+        if ports.in_use(p):
+            raise DeploymentError(
+                f"port {p} (health/metrics of FFN server {rank}) is in use or taken by "
+                "another port of the deployment; choose another ffn_health_port or 0 "
+                "for free ports"
+            )
+    return fixed
 
 
 def reserve_ports(
@@ -126,18 +101,15 @@ def reserve_ports(
     runs this on its node (:mod:`afd.launch.ray`)."""
     ports = _FreePorts(host, set(avoid))
     out = []
-    try:
-        for what, port, field in wanted:
-            if port:
-                if ports.in_use(port):
-                    raise DeploymentError(
-                        f"port {port} ({what}) is in use on {host}; choose another {field} or "
-                        "0 for a free port"
-                    )
-                ports.taken.add(port)
-                out.append(port)
-            else:
-                out.append(ports.pick())
-        return out
-    finally:
-        ports.close()
+    for what, port, field in wanted:
+        if port:
+            if ports.in_use(port):
+                raise DeploymentError(
+                    f"port {port} ({what}) is in use on {host}; choose another {field} or "
+                    "0 for a free port"
+                )
+            ports.taken.add(port)
+            out.append(port)
+        else:
+            out.append(ports.pick())
+    return out
