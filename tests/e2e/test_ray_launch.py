@@ -104,8 +104,9 @@ class RayCluster:
         deadline = time.monotonic() + 120
         while "Ray runtime started" not in self.output():
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                out = self.output()  # (stop() removes the folder)
                 self.stop()
-                raise AssertionError(f"ray start failed:\n{self.output()[-4000:]}")
+                raise AssertionError(f"ray start failed:\n{out[-4000:]}")
             time.sleep(0.5)
 
     def output(self) -> str:

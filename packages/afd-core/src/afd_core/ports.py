@@ -6,7 +6,7 @@ process's outgoing connections and ``bind(0)`` sockets draw from. A role told to
 on such a port some seconds later (the rendezvous store, an HTTP server) can find it
 taken by then: vLLM alone binds a handful of ephemeral ports while a role starts.
 :func:`free_port` therefore picks, at random, a bindable port *outside* the ephemeral
-range (15000 up to it, or above it), which only an explicit bind can take; where the
+range (20000 up to it, or above it), which only an explicit bind can take; where the
 range leaves no room it falls back to the OS's choice.
 """
 
@@ -20,8 +20,9 @@ __all__ = ["ephemeral_range", "free_port", "port_bindable"]
 
 _RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 _DEFAULT_RANGE = (32768, 60999)
-#: Lowest port :func:`free_port` picks (below: well-known services' usual ports).
-LOWEST = 15000
+#: Lowest port :func:`free_port` picks: below are well-known services' usual ports and
+#: Ray's default worker ports (10002-19999), which a Ray node binds as workers start.
+LOWEST = 20000
 _TRIES = 200
 _random = random.SystemRandom()
 
