@@ -126,8 +126,11 @@ class ExchangeConnector(AFDConnector):
             )
         self._role = self.role
         self._closed = False
-        self._active = 0  # public operations in progress (see _enter / _leave)
+        # One entry per public operation in progress (see _enter / _leave): a list, since
+        # append and pop are atomic, so that the hot path takes no lock.
+        self._ops: list[int] = []
         self._state_lock = threading.Lock()
+        self._actions: dict[tuple[int, int], str] = {}
         self._init_lock = threading.Lock()
         # Attention side: (layer, micro-batch) -> header of a send awaiting its answer.
         self._sent: dict[tuple[int, int], TransferHeader] = {}
@@ -309,7 +312,7 @@ class ExchangeConnector(AFDConnector):
         if self._broken:
             self._check_peer(peer)
         deadline, timeout = self._deadline(timeout_s)
-        action = f"receiving layer {layer_idx} micro-batch {micro_batch_idx} from"
+        action = self._action(layer_idx, micro_batch_idx)
         frame = self._recv_frame(link, peer, deadline, timeout, action)
         header = frame.header
         if header.kind is PayloadKind.SHUTDOWN:
@@ -441,7 +444,7 @@ class ExchangeConnector(AFDConnector):
             first.specs,
             deadline,
             timeout,
-            f"receiving layer {head.layer_idx} micro-batch {mb} from",
+            self._action(head.layer_idx, mb),
             mb,
         )
         total = sum(counts)
@@ -474,8 +477,7 @@ class ExchangeConnector(AFDConnector):
         n = head.num_tokens
         mb = head.micro_batch_idx
         tensors = self._recv_tensors(
-            link, [(peer, n)], frame.specs, deadline, timeout,
-            f"receiving layer {head.layer_idx} micro-batch {mb} from", mb,
+            link, [(peer, n)], frame.specs, deadline, timeout, self._action(head.layer_idx, mb), mb
         )  # fmt: skip
         payload = layout_of(head.kind).build(tensors)
         assert isinstance(payload, AttentionToFFN)
@@ -546,24 +548,41 @@ class ExchangeConnector(AFDConnector):
     def _describe(self, peer: int) -> str:
         return f"{describe_global_rank(self.topology, peer)} (global rank {peer})"
 
+    @property
+    def _active(self) -> int:
+        """Public operations in progress."""
+        return len(self._ops)
+
     def _enter(self, role: AFDRole, method: str) -> Any:
         """Start a public operation and return the link; pair with :meth:`_leave`.
 
-        ``close()`` of a transport may wait for the operations in progress to leave.
+        ``close()`` of a transport may wait for the operations in progress to leave:
+        close() sets ``_closed`` before it counts them, and an operation is counted
+        before it reads ``_closed``, so one of the two always sees the other.
         """
-        with self._state_lock:
-            link = self._link()
-            if self._closed or self._role is not role or link is None:
-                if self._closed:
-                    raise AFDConnectorClosedError(f"{self.label}: {method}() after close()")
-                self.check_side(role, method)
-                raise AFDConnectorError(f"{self.label}: {method}() before init()")
-            self._active += 1
+        self._ops.append(0)
+        link = self._link()
+        if self._closed or self._role is not role or link is None:
+            self._ops.pop()
+            if self._closed:
+                raise AFDConnectorClosedError(f"{self.label}: {method}() after close()")
+            self.check_side(role, method)
+            raise AFDConnectorError(f"{self.label}: {method}() before init()")
         return link
 
     def _leave(self) -> None:
-        with self._state_lock:
-            self._active -= 1
+        self._ops.pop()
+
+    def _action(self, layer_idx: int, micro_batch_idx: int) -> str:
+        """What a receive of this layer and micro-batch is doing, for its errors (made
+        once per key: the hot path formats no string)."""
+        key = (layer_idx, micro_batch_idx)
+        text = self._actions.get(key)
+        if text is None:
+            text = self._actions[key] = (
+                f"receiving layer {layer_idx} micro-batch {micro_batch_idx} from"
+            )
+        return text
 
     def _check_peer(self, peer: int) -> None:
         reason = self._broken.get(peer)
