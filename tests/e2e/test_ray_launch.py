@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from afd_processes import Launcher, assert_same_tokens, group_pgid_members
+from afd_processes import Launcher, assert_same_tokens, free_port, group_pgid_members
 
 from afd.reference import FIXED_PROMPTS
 
@@ -58,18 +58,12 @@ STARTUP_S = 420.0
 NAMESPACE = "afd-e2e"
 
 
-def _free_port() -> int:
-    from afd_core.ports import free_port
-
-    return free_port("127.0.0.1")
-
-
 class RayCluster:
     """A one-node Ray cluster on 127.0.0.1 owned by this test module."""
 
     def __init__(self) -> None:
         self.temp_dir = Path(tempfile.mkdtemp(prefix="afd-ray-", dir="/tmp"))  # short socket paths
-        self.address = f"127.0.0.1:{_free_port()}"
+        self.address = f"127.0.0.1:{free_port()}"
         self.env = {
             # loopback only: Ray otherwise binds the host's outward address
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -86,7 +80,7 @@ class RayCluster:
         cmd = [
             str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
             "--node-ip-address", "127.0.0.1", "--port", self.address.split(":")[1],
-            "--ray-client-server-port", str(_free_port()),
+            "--ray-client-server-port", str(free_port()),
             "--num-cpus", "4",  # oversubscribed: the roles ask 1 CPU per rank
             "--object-store-memory", str(100 * 1024 * 1024),
             "--include-dashboard=false", "--disable-usage-stats",
