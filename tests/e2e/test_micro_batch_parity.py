@@ -213,3 +213,27 @@ def test_one_request_runs_as_one_micro_batch(
     sends = [s for s in read_spans(profile, "attention") if s["cat"] == "send"]
     assert sends and {s["mb"] for s in sends} == {0}
     assert "ping-pong micro-batching with 2 micro-batches" in result["log"]
+
+
+@pytest.mark.matrix  # runs in `nox -s tests-matrix` (CI runs it too)
+def test_steps_under_the_token_threshold_run_whole(
+    tiny_qwen_models: dict[str | None, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``afd.micro_batch_min_tokens`` = 9 with 8 prompts: the prefill step (every prompt's
+    tokens) is split, each decode step (8 tokens) runs whole; tokens equal native."""
+    model = tiny_qwen_models[None]
+    prompts = list(FIXED_PROMPTS[:8])
+    native = offline_greedy(model, tmp_path / "native.json", tmp_path, prompts=prompts)
+    profile = tmp_path / "profile"
+    monkeypatch.setenv("AFD_PROFILE_DIR", str(profile))
+    afd = afd_settings("ffn", num_micro_batches=2, micro_batch_min_tokens=9)
+    result, _ = run_offline_afd(model, QWEN, afd, tmp_path, prompts=prompts)
+    monkeypatch.delenv("AFD_PROFILE_DIR")
+    assert_same_tokens(result["token_ids"], native["token_ids"], prompts)
+    sends = [s for s in read_spans(profile, "attention") if s["cat"] == "send"]
+    split = [s["tokens"] for s in sends if s["mb"] == 1]
+    assert split, "the prefill step was not split"
+    # A split decode step would send 4 + 4 tokens; a split prefill sends whole prompts.
+    assert min(split) >= 9, sorted(set(split))
+    assert any(s["mb"] == 0 and s["tokens"] == len(prompts) for s in sends), "no whole decode"
+    assert "or fewer than 9 tokens run whole" in result["log"]

@@ -74,6 +74,16 @@ MALFORMED: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
         ("afd.num_micro_batches", "0 (int)", ">= 1"),
     ),
     (
+        "micro_batch_min_tokens_negative",
+        {"role": "attention", "micro_batch_min_tokens": -1},
+        ("afd.micro_batch_min_tokens", "-1 (int)", ">= 0"),
+    ),
+    (
+        "micro_batch_min_tokens_float",
+        {"role": "attention", "micro_batch_min_tokens": 1.5},
+        ("afd.micro_batch_min_tokens", "1.5 (float)"),
+    ),
+    (
         "connect_timeout_zero",
         {"role": "ffn", "connect_timeout_s": 0},
         ("afd.connect_timeout_s", "0 (int)", "> 0"),
@@ -261,6 +271,7 @@ def valid_sections(draw: st.DrawFn) -> dict[str, Any]:
         "host": draw(_names),
         "port": draw(st.integers(1, 65535)),
         "num_micro_batches": draw(st.integers(1, 8)),
+        "micro_batch_min_tokens": draw(st.integers(0, 4096)),
         "connect_timeout_s": draw(_timeouts),
         "transfer_timeout_s": draw(_timeouts),
         "connector_extra_config": draw(

@@ -41,6 +41,16 @@ def test_plan_falls_back_to_one_micro_batch(tokens: list[int], m: int) -> None:
     assert plan_micro_batches(tokens, m) is None
 
 
+def test_plan_runs_steps_under_the_token_threshold_whole() -> None:
+    from afd_moe_runners.micro_batching import plan_micro_batches
+
+    # 8 decodes: split at a threshold of 8 tokens, whole at 9; a prefill counts its tokens.
+    assert _groups(plan_micro_batches([1] * 8, 2, 8)) == [(0, 4, 0, 4), (4, 8, 4, 8)]
+    assert plan_micro_batches([1] * 8, 2, 9) is None
+    assert _groups(plan_micro_batches([1, 30], 2, 31)) == [(0, 1, 0, 1), (1, 2, 1, 31)]
+    assert plan_micro_batches([1, 30], 2, 32) is None
+
+
 def test_scheduler_alternates_at_yield_points_and_restores_the_context() -> None:
     import vllm.forward_context as fc
 

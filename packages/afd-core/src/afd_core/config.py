@@ -143,6 +143,10 @@ class AFDConfig:
     compute_gate_on_attention: bool = False
     routing_payload: RoutingPayload = RoutingPayload.TOPK
     num_micro_batches: int = 1
+    micro_batch_min_tokens: int = 0
+    """The Attention role splits a step into micro-batches only when it schedules at least
+    this many tokens (0: whenever it has at least ``num_micro_batches`` requests); smaller
+    steps run whole. Local to the Attention role (the FFN role serves what arrives)."""
     connect_timeout_s: float = 300.0
     transfer_timeout_s: float = 600.0
     connector_extra_config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -194,6 +198,10 @@ class AFDConfig:
                 "got 'router_logits' (str)"
             )
         put("num_micro_batches", _check_int("num_micro_batches", self.num_micro_batches, 1))
+        put(
+            "micro_batch_min_tokens",
+            _check_int("micro_batch_min_tokens", self.micro_batch_min_tokens, 0),
+        )
         put("connect_timeout_s", _check_timeout("connect_timeout_s", self.connect_timeout_s))
         put("transfer_timeout_s", _check_timeout("transfer_timeout_s", self.transfer_timeout_s))
         extra = self.connector_extra_config

@@ -328,6 +328,14 @@ def add_bench_arguments(ap: Any) -> None:
         "a comma-separated list (e.g. 1,2,3) measures one AFD deployment per value in the "
         "same run, the best per level being AFD's result",
     )
+    ap.add_argument(
+        "--micro-batch-min-tokens",
+        type=int,
+        default=None,
+        help="afd.micro_batch_min_tokens of the AFD deployment: steps with fewer "
+        "scheduled tokens run whole even when m > 1 (default 0: split whenever a step "
+        "has m requests)",
+    )
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--out", default="afd-bench", help="folder for bench.json and bench.png")
     ap.add_argument("--log-dir", help="keep role logs here (default: a temporary folder)")
@@ -384,6 +392,11 @@ def run_bench(args: Any) -> int:
             startup_timeout_s=300.0,
             afd={
                 **({"connector": args.connector} if args.connector else {}),
+                **(
+                    {"micro_batch_min_tokens": args.micro_batch_min_tokens}
+                    if args.micro_batch_min_tokens is not None
+                    else {}
+                ),
             },
             attention={"cpus": args.attention_cpus},
             ffn={"cpus": args.ffn_cpus},
@@ -496,6 +509,7 @@ def run_bench(args: Any) -> int:
             "compute_gate_on_attention": base.compute_gate_on_attention,
             "connector": base.connector,
             "num_micro_batches": micro_batches,
+            "micro_batch_min_tokens": int(base.afd.get("micro_batch_min_tokens", 0)),
             "thread_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
             "attention_cpus": args.attention_cpus,
             "ffn_cpus": args.ffn_cpus,

@@ -39,6 +39,14 @@ def micro_batches_of(vllm_config: Any) -> int:
     return afd.num_micro_batches if afd.role is AFDRole.ATTENTION else 1
 
 
+def _min_tokens_of(vllm_config: Any) -> int:
+    """``afd.micro_batch_min_tokens`` of a config (0 without an AFD section)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if "afd" not in extra:
+        return 0
+    return AFDConfig.from_additional_config(extra).micro_batch_min_tokens
+
+
 def _prepare(vllm_config: Any) -> int:
     m = micro_batches_of(vllm_config)
     if m > 1:
@@ -50,7 +58,7 @@ def _install(worker: Any, m: int) -> None:
     if m > 1:
         from afd_moe_runners.micro_batching import install_micro_batching
 
-        install_micro_batching(worker.model_runner, m)
+        install_micro_batching(worker.model_runner, m, _min_tokens_of(worker.vllm_config))
 
 
 def _worker_class(base: type, name: str) -> type:

@@ -11,7 +11,8 @@ Three pieces, each small:
 * **The plan** (:func:`plan_micro_batches`): the step's requests split at request
   boundaries into m contiguous groups with balanced token counts, as vLLM's own
   ``UBatchSlice`` values (``vllm/v1/worker/ubatch_utils.py``). A step with fewer
-  requests than m is not split (m = 1 for that step).
+  requests than m, or fewer tokens than ``afd.micro_batch_min_tokens``, is not split
+  (m = 1 for that step).
 * **The model runner** (:class:`MicroBatchModelRunner`, mixed into vLLM's runner by
   the AFD worker, ``afd.worker``): vLLM 0.32 only micro-batches under data
   parallelism with DeepEP kernels, and turns DBO off on CPU, but its runner already
@@ -73,13 +74,16 @@ _PAYLOAD_FIELDS = ("hidden_states", "topk_ids", "topk_weights", "router_logits",
 
 
 def plan_micro_batches(
-    num_scheduled_tokens: Sequence[int] | np.ndarray, num_micro_batches: int
+    num_scheduled_tokens: Sequence[int] | np.ndarray,
+    num_micro_batches: int,
+    min_tokens: int = 0,
 ) -> list[UBatchSlice] | None:
     """Split a step's requests into ``num_micro_batches`` contiguous groups.
 
     Split points are request boundaries chosen so that the groups' token counts are as
-    even as the requests allow (a long prefill is never cut in two). None when the step
-    has fewer requests than micro-batches, or when m is 1: the step runs whole.
+    even as the requests allow (a long prefill is never cut in two). None when m is 1,
+    when the step has fewer requests than micro-batches, or when it schedules fewer than
+    ``min_tokens`` tokens (``afd.micro_batch_min_tokens``): the step runs whole.
     """
     m = int(num_micro_batches)
     tokens = np.asarray(num_scheduled_tokens, dtype=np.int64)
@@ -89,6 +93,8 @@ def plan_micro_batches(
     cu = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(tokens, out=cu[1:])
     total = int(cu[-1])
+    if total < min_tokens:
+        return None
     bounds = [0]
     for k in range(1, m):
         lo, hi = bounds[-1] + 1, n - (m - k)  # leave at least one request per group
@@ -349,6 +355,7 @@ class MicroBatchModelRunner:
     """
 
     afd_num_micro_batches: int = 1
+    afd_micro_batch_min_tokens: int = 0
     _afd_in_step: bool = False
     _afd_plan: list[UBatchSlice] | None = None
 
@@ -373,7 +380,9 @@ class MicroBatchModelRunner:
             batch_descriptor = result[1]
             if int(batch_descriptor.num_tokens) == num_tokens:  # no padded rows
                 tokens = bound.arguments["num_scheduled_tokens_np"][:num_reqs]
-                self._afd_plan = plan_micro_batches(tokens, self.afd_num_micro_batches)
+                self._afd_plan = plan_micro_batches(
+                    tokens, self.afd_num_micro_batches, self.afd_micro_batch_min_tokens
+                )
         return result
 
     def _with_plan(
@@ -408,8 +417,9 @@ _RUNNER_METHODS = (
 )
 
 
-def install_micro_batching(model_runner: Any, num_micro_batches: int) -> None:
-    """Make ``model_runner`` (a vLLM v1 GPU/CPU model runner) plan AFD micro-batches.
+def install_micro_batching(model_runner: Any, num_micro_batches: int, min_tokens: int = 0) -> None:
+    """Make ``model_runner`` (a vLLM v1 GPU/CPU model runner) plan AFD micro-batches:
+    ``num_micro_batches`` per step with at least ``min_tokens`` scheduled tokens.
 
     Called by the AFD worker right after vLLM built the runner: the runner's class is
     replaced by a subclass that adds :class:`MicroBatchModelRunner` in front (the runner
@@ -428,8 +438,10 @@ def install_micro_batching(model_runner: Any, num_micro_batches: int) -> None:
         cls = type(f"AFDMicroBatch{base.__name__}", (MicroBatchModelRunner, base), {})
         model_runner.__class__ = cls
     model_runner.afd_num_micro_batches = int(num_micro_batches)
+    model_runner.afd_micro_batch_min_tokens = int(min_tokens)
     logger.info(
         "AFD attention role: ping-pong micro-batching with %d micro-batches per step "
-        "(steps with fewer requests run whole)",
+        "(steps with fewer requests%s run whole)",
         num_micro_batches,
+        f" or fewer than {min_tokens} tokens" if min_tokens > 0 else "",
     )
