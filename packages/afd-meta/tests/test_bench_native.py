@@ -228,6 +228,48 @@ def test_bench_measures_every_m_and_reports_the_best_per_level(
     assert bench.run_bench(_bench_args([*argv, "--micro-batches", "1,0"])) == 2
 
 
+def test_repeats_alternate_the_order_and_report_medians_and_each_ratio(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # tok/s per start of each deployment (native, afd/m1, afd/m2), in start order.
+    native = iter([1000.0, 600.0, 900.0])
+    afd = {1: iter([500.0, 450.0, 700.0]), 2: iter([400.0, 480.0, 650.0])}
+    order: list[str] = []
+    current: list[float] = []
+
+    def fake_deployment(spec: DeploymentSpec, **kw: Any) -> _FakeDeployment:
+        m = int(spec.afd.get("num_micro_batches", 1))
+        order.append("native" if spec.native else f"m{m}")
+        current.append(next(native) if spec.native else next(afd[m]))
+        return _FakeDeployment(spec, **kw)
+
+    def fake_level(url: str, prompts: Any, c: int, n: int, out_len: int, **kw: Any) -> dict:
+        return _lv(current[-1])
+
+    _fake_runs(monkeypatch, fake_deployment, fake_level)
+    out = tmp_path / "out"
+    argv = ["--model", str(tmp_path), "--concurrency", "8", "--out", str(out), "--no-plot"]
+    argv += ["--native-configs", "auto", "--micro-batches", "1,2"]
+    assert bench.run_bench(_bench_args([*argv, "--repeat", "3"])) == 0
+    assert order == ["native", "m1", "m2", "m2", "m1", "native", "native", "m1", "m2"]
+    report = json.loads((out / "bench.json").read_text())
+    # per deployment: the median repeat; the headline ratio divides the medians
+    assert report["results"]["native"]["8"]["output_tok_s"] == 900.0
+    assert report["results"]["native"]["8"]["repeats_output_tok_s"] == [1000.0, 600.0, 900.0]
+    assert report["afd_micro_batches"]["1"]["results"]["8"]["output_tok_s"] == 500.0
+    assert report["afd_micro_batches"]["2"]["results"]["8"]["output_tok_s"] == 480.0
+    assert report["ratio_afd_over_native"]["8"]["output_tok_s"] == round(500 / 900, 3)
+    # per repeat: best AFD m over best native of that repeat
+    repeats = report["repeats"]
+    assert repeats["ratio_afd_over_native"]["8"] == [0.5, 0.8, round(700 / 900, 3)]
+    assert repeats["median"]["8"] == round(700 / 900, 3)
+    printed = capsys.readouterr().out
+    assert "c=8: 0.50 0.80 0.78  (median 0.78)" in printed
+    assert bench.run_bench(_bench_args([*argv, "--repeat", "0"])) == 2
+    assert bench.run_bench(_bench_args([*argv, "--repeat", "2", "--profile"])) == 2
+    assert "--profile records one run" in capsys.readouterr().err
+
+
 def test_table_without_native_configs_still_works() -> None:
     report = {
         "settings": {"concurrency": [1]},

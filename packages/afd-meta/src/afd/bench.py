@@ -262,6 +262,56 @@ def _profile_report(
     return out
 
 
+def median_levels(repeats: Sequence[dict[str, Any]], levels: Sequence[int]) -> dict[str, Any]:
+    """One deployment's results over its repeats: per level, the repeat with the median
+    output tok/s (the lower middle one for an even count), plus ``repeats_output_tok_s``
+    (every repeat's, in order) when there was more than one."""
+    out: dict[str, Any] = {}
+    for c in levels:
+        runs = [res[str(c)] for res in repeats if str(c) in res]
+        if not runs:
+            continue
+        ranked = sorted(runs, key=lambda lv: lv["output_tok_s"])
+        lv = dict(ranked[(len(ranked) - 1) // 2])
+        if len(runs) > 1:
+            lv["repeats_output_tok_s"] = [x["output_tok_s"] for x in runs]
+        out[str(c)] = lv
+    return out
+
+
+def _repeat_ratios(
+    by_run: dict[str, list[dict[str, Any]]], levels: Sequence[int], repeat: int
+) -> dict[str, Any]:
+    """Per level, AFD's best tok/s over native's best tok/s within each repeat, and their
+    median (the headline ``ratio_afd_over_native`` divides the per-deployment medians)."""
+    out: dict[str, Any] = {"count": repeat, "ratio_afd_over_native": {}, "median": {}}
+    for c in levels:
+        ratios = []
+        for r in range(repeat):
+            best: dict[str, float] = {}
+            for run, results_of_run in by_run.items():
+                lv = results_of_run[r].get(str(c)) if r < len(results_of_run) else None
+                if lv is None:
+                    continue
+                mode = "afd" if run.startswith("afd") else "native"
+                best[mode] = max(best.get(mode, 0.0), float(lv["output_tok_s"]))
+            if best.get("native") and "afd" in best:
+                ratios.append(round(best["afd"] / best["native"], 3))
+        if ratios:
+            out["ratio_afd_over_native"][str(c)] = ratios
+            out["median"][str(c)] = sorted(ratios)[(len(ratios) - 1) // 2]
+    return out
+
+
+def format_repeats(repeats: dict[str, Any]) -> str:
+    """``AFD/native tok/s per repeat`` lines of the printed report."""
+    lines = [f"AFD/native tok/s in each of {repeats['count']} repeats (best m vs best native):"]
+    for c, ratios in repeats["ratio_afd_over_native"].items():
+        each = " ".join(f"{x:.2f}" for x in ratios)
+        lines.append(f"  c={c}: {each}  (median {repeats['median'][c]:.2f})")
+    return "\n".join(lines)
+
+
 def pick_native_reference(
     configs: dict[str, dict[str, Any]], levels: Sequence[int], *, key: str = "native_config"
 ) -> tuple[dict[str, Any], dict[str, str]]:
@@ -336,6 +386,14 @@ def add_bench_arguments(ap: Any) -> None:
         "scheduled tokens run whole even when m > 1 (default 0: split whenever a step "
         "has m requests)",
     )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure every deployment this many times, alternating the order (native "
+        "first, then AFD first, ...); each level reports the median run and the AFD/native "
+        "ratio of every repeat (default 1)",
+    )
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--out", default="afd-bench", help="folder for bench.json and bench.png")
     ap.add_argument("--log-dir", help="keep role logs here (default: a temporary folder)")
@@ -365,6 +423,11 @@ def run_bench(args: Any) -> int:
         micro_batches = parse_micro_batches(args.micro_batches)
         if args.output_len < 2:
             raise ValueError("--output-len must be >= 2 (TPOT needs two tokens)")
+        repeat = int(getattr(args, "repeat", 1))
+        if repeat < 1:
+            raise ValueError(f"--repeat must be >= 1, got {repeat}")
+        if repeat > 1 and getattr(args, "profile", False):
+            raise ValueError("--profile records one run of each deployment; use --repeat 1")
         native_configs = [c.strip() for c in str(args.native_configs).split(",") if c.strip()]
         bad = [c for c in native_configs if c not in NATIVE_CONFIGS]
         if "native" in modes and (bad or not native_configs):
@@ -427,9 +490,18 @@ def run_bench(args: Any) -> int:
 
     from tqdm import tqdm
 
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    # Repeats alternate the order, so that a slow phase of the host does not always
+    # fall on the same deployment.
+    schedule = [
+        (r, run, spec)
+        for r in range(repeat)
+        for run, spec in (runs if r % 2 == 0 else list(reversed(runs)))
+    ]
+
     with forward_signals():
         try:
-            for run, spec in runs:
+            for r, run, spec in schedule:
                 sub = run.replace("/", "-")
                 spec = spec.replace(
                     log_dir=None if args.log_dir is None else str(Path(args.log_dir) / sub),
@@ -445,7 +517,10 @@ def run_bench(args: Any) -> int:
                     if is_afd
                     else f"plain vLLM, CPUs {run.split('/')[1]}"
                 )
-                say(f"starting {run} ({what})")
+                say(
+                    f"starting {run} ({what})"
+                    + (f", repeat {r + 1}/{repeat}" if repeat > 1 else "")
+                )
                 dep = Deployment(spec, echo=args.verbose, console=sys.stdout, name=f"bench-{sub}")
                 with dep:
                     startup[run] = round(dep.startup_s or 0.0, 1)
@@ -469,10 +544,7 @@ def run_bench(args: Any) -> int:
                             )
                             if is_afd:
                                 windows.setdefault(m, {})[str(c)] = (started_ns, time.time_ns())
-                    if is_afd:
-                        afd_runs[m] = res
-                    else:
-                        native_runs[run.split("/", 1)[1]] = res
+                    by_run.setdefault(run, []).append(res)
         except DeploymentError as exc:
             say(f"FAILED: {exc}")
             return 1
@@ -482,6 +554,14 @@ def run_bench(args: Any) -> int:
             say(f"interrupted ({exc}); stopped")
             return 130
 
+    for run, _ in runs:
+        if run not in by_run:
+            continue
+        res = median_levels(by_run[run], levels)
+        if run.startswith("afd"):
+            afd_runs[micro_batches[0] if run == "afd" else int(run.split("/m", 1)[1])] = res
+        else:
+            native_runs[run.split("/", 1)[1]] = res
     native_reference: dict[str, str] = {}
     if native_runs:
         native_results, native_reference = pick_native_reference(native_runs, levels)
@@ -547,6 +627,7 @@ def run_bench(args: Any) -> int:
             for m, res in afd_runs.items()
         },
         "afd_best_micro_batches": {c: int(m) for c, m in afd_best.items()},
+        "repeats": _repeat_ratios(by_run, levels, repeat),
         "total_s": round(time.monotonic() - t_total, 1),
     }
     if profile_dir is not None and windows:
@@ -555,6 +636,8 @@ def run_bench(args: Any) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     print(format_table(report))
+    if repeat > 1:
+        print(format_repeats(report["repeats"]))
     for m, run in report.get("profile", {}).get("runs", {}).items():
         for c, prof in run.get("levels", {}).items():
             print(f"\nprofile, m={m}, concurrency {c}:\n{prof['text']}")
@@ -566,7 +649,7 @@ def run_bench(args: Any) -> int:
         except ImportError:
             say("matplotlib is not installed (extra afd[plot]): no plot")
     say(f"total {report['total_s']:.0f} s")
-    every = [*afd_runs.values(), *native_runs.values()]
+    every = [res for results_of_run in by_run.values() for res in results_of_run]
     failed = any(lv["completed"] < lv["requests"] for m in every for lv in m.values())
     return 1 if failed else 0
 
