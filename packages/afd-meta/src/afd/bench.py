@@ -299,7 +299,7 @@ def _repeat_ratios(
                 ratios.append(round(best["afd"] / best["native"], 3))
         if ratios:
             out["ratio_afd_over_native"][str(c)] = ratios
-            out["median"][str(c)] = sorted(ratios)[(len(ratios) - 1) // 2]
+            out["median"][str(c)] = statistics.median_low(ratios)
     return out
 
 
@@ -554,12 +554,12 @@ def run_bench(args: Any) -> int:
             say(f"interrupted ({exc}); stopped")
             return 130
 
-    for run, _ in runs:
+    for run, spec in runs:
         if run not in by_run:
             continue
         res = median_levels(by_run[run], levels)
         if run.startswith("afd"):
-            afd_runs[micro_batches[0] if run == "afd" else int(run.split("/m", 1)[1])] = res
+            afd_runs[int(spec.afd.get("num_micro_batches", 1))] = res
         else:
             native_runs[run.split("/", 1)[1]] = res
     native_reference: dict[str, str] = {}

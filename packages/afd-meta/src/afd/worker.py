@@ -30,21 +30,22 @@ logger = logging.getLogger(__name__)
 __all__ = ["micro_batches_of"]  # plus AFDCPUWorker and AFDGPUWorker, built on first access
 
 
+def _afd_of(vllm_config: Any) -> AFDConfig | None:
+    """The config's AFD section, parsed (None without one)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return AFDConfig.from_additional_config(extra) if "afd" in extra else None
+
+
 def micro_batches_of(vllm_config: Any) -> int:
     """``afd.num_micro_batches`` of an Attention-role config (1 for anything else)."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    if "afd" not in extra:
-        return 1
-    afd = AFDConfig.from_additional_config(extra)
-    return afd.num_micro_batches if afd.role is AFDRole.ATTENTION else 1
+    afd = _afd_of(vllm_config)
+    return afd.num_micro_batches if afd is not None and afd.role is AFDRole.ATTENTION else 1
 
 
 def _min_tokens_of(vllm_config: Any) -> int:
     """``afd.micro_batch_min_tokens`` of a config (0 without an AFD section)."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    if "afd" not in extra:
-        return 0
-    return AFDConfig.from_additional_config(extra).micro_batch_min_tokens
+    afd = _afd_of(vllm_config)
+    return 0 if afd is None else afd.micro_batch_min_tokens
 
 
 def _prepare(vllm_config: Any) -> int:
