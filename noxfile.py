@@ -102,38 +102,57 @@ def test_env(session: nox.Session) -> dict[str, str]:
     }
 
 
-def pytest(session: nox.Session, *args: str) -> None:
-    # exit code 5 = "no tests collected": a marker selection may legitimately be empty.
+def pytest(session: nox.Session, *args: str, python: str = "python") -> None:
+    """pytest with the session's arguments. A selection that collects no test fails
+    (pytest's exit code 5 is not success): a session that tests nothing must say so.
+    With ``AFD_REPORT_DIR`` set (``.ci/run`` sets it) a JUnit report per session lands
+    there, for the run's summary of the slowest tests (tools/ci_summary.py)."""
+    report = os.environ.get("AFD_REPORT_DIR")
+    junit = [f"--junitxml={Path(report) / (session.name + '.xml')}"] if report else []
     session.run(
-        "python",
-        "-m",
-        "pytest",
-        *args,
-        *session.posargs,
-        env=test_env(session),
-        success_codes=[0, 5],
-    )
+        python, "-m", "pytest", *args, *junit, *session.posargs,
+        env=test_env(session), external=python != "python",
+    )  # fmt: skip
+
+
+#: Extras of the test venv: ``cpu`` (vLLM's CPU build) and ``ray`` (``afd launch --ray``,
+#: tested in the matrix). ``tests`` and ``tests-matrix`` share this one venv.
+TEST_VENV_EXTRAS = ("--extra", "ray")
+TEST_VENV_GROUPS = ("--group", "test", "--group", "lint")
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """Default CPU suite: unit, contract (real vLLM CPU) and end-to-end tests; of each
     large matrix its representative cases (the rest: ``tests-matrix``)."""
-    sync(session, "--group", "test", "--group", "lint")
+    sync(session, *TEST_VENV_GROUPS, *TEST_VENV_EXTRAS)
     # The 30 slowest tests end the report: where the suite's time goes (docs/development.md).
     selection = "not gpu and not npu and not matrix"
     pytest(session, "packages", "tests", "-m", selection, "--durations=30")
 
 
-@nox.session(name="tests-matrix")
+@nox.session(name="tests-matrix", venv_backend="none")
 def tests_matrix(session: nox.Session) -> None:
     """The rest of the end-to-end and conformance matrices (``@pytest.mark.matrix``):
     every case of a matrix whose representative cases ``tests`` runs. CI runs it after
     the default run (``.ci/run``); nothing here is skipped on CPU that ``tests`` runs.
-    It also installs the meta package's ``ray`` extra: ``afd launch --ray`` runs here,
-    on a one-node Ray cluster on loopback (tests/e2e/test_ray_launch.py)."""
-    sync(session, "--group", "test", "--extra", "ray")
-    pytest(session, "packages", "tests", "-m", "matrix and not gpu and not npu", "--durations=20")
+    It runs in the ``tests`` session's venv (made or brought up to date here, with the
+    same lock, groups and extras: the meta package's ``ray`` extra is in it, for
+    ``afd launch --ray`` on a one-node Ray cluster on loopback, tests/e2e/test_ray_launch.py)."""
+    venv = ROOT / ".nox" / "tests"
+    if not (venv / "bin" / "python").exists():
+        session.run("uv", "venv", "-q", "--python", sys.executable, str(venv), external=True)
+    links = find_links()
+    session.run(
+        "uv", "sync", "--frozen", "--all-packages", "--no-default-groups", *TEST_VENV_GROUPS,
+        "--extra", "cpu", *TEST_VENV_EXTRAS, "--compile-bytecode",
+        external=True,
+        env={"UV_PROJECT_ENVIRONMENT": str(venv), **({"UV_FIND_LINKS": links} if links else {})},
+    )  # fmt: skip
+    pytest(
+        session, "packages", "tests", "-m", "matrix and not gpu and not npu", "--durations=20",
+        python=str(venv / "bin" / "python"),
+    )  # fmt: skip
 
 
 @nox.session(name="tests-gpu")
@@ -265,15 +284,31 @@ def core_no_torch(session: nox.Session) -> None:
     pytest(session, "packages/afd-core/tests")
 
 
+def built_dist(session: nox.Session) -> Path:
+    """Every package's wheel and sdist (``uv build --all-packages --no-sources``), built
+    once per run: with ``AFD_DIST_DIR`` set (``.ci/run`` sets it), the first session that
+    needs them builds them there and the others (``build``, ``install-each``,
+    ``install-smoke``) reuse them; otherwise each session builds its own."""
+    shared = os.environ.get("AFD_DIST_DIR")
+    dist = Path(shared) if shared else Path(session.create_tmp()) / "dist"
+    stamp = dist / ".complete"
+    if shared and stamp.exists():
+        session.log(f"reusing this run's wheels in {dist}")
+        return dist
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run(
+        "uv", "build", "-q", "--all-packages", "--no-sources", "--out-dir", str(dist),
+        external=True,
+    )  # fmt: skip
+    stamp.write_text("")
+    return dist
+
+
 @nox.session
 def build(session: nox.Session) -> None:
     """Build every package without workspace sources, install the wheels outside the
     workspace, and import each package from there."""
-    dist = Path(session.create_tmp()) / "dist"
-    shutil.rmtree(dist, ignore_errors=True)
-    session.run(
-        "uv", "build", "--all-packages", "--no-sources", "--out-dir", str(dist), external=True
-    )
+    dist = built_dist(session)
     wheels = sorted(dist.glob("*.whl"))
     sdists = sorted(dist.glob("*.tar.gz"))
     session.log(f"built {len(wheels)} wheels and {len(sdists)} sdists in {dist}")
@@ -338,10 +373,7 @@ def install_smoke(session: nox.Session) -> None:
     with tempfile.TemporaryDirectory(prefix="afd-install-smoke-") as tmp:
         outside = Path(tmp)
         dist = outside / "release"
-        session.run(
-            "uv", "build", "-q", "--all-packages", "--no-sources", "--out-dir", str(dist),
-            external=True,
-        )  # fmt: skip
+        shutil.copytree(built_dist(session), dist)
         session.run(python, str(ROOT / "tools" / "release.py"), "requirements", str(dist),
                     external=True)  # fmt: skip
         session.chdir(outside)
@@ -472,9 +504,7 @@ def install_each(session: nox.Session) -> None:
     clean = {"PYTHONPATH": "", "VIRTUAL_ENV": "", "UV_PROJECT_ENVIRONMENT": ""}
     with tempfile.TemporaryDirectory(prefix="afd-install-each-") as tmp:
         outside = Path(tmp)
-        dist = outside / "dist"
-        session.run("uv", "build", "-q", "--all-packages", "--no-sources", "--out-dir", str(dist),
-                    external=True)  # fmt: skip
+        dist = built_dist(session)
         pins = outside / "afd-siblings.txt"
         pins.write_text("".join(f"{dist_name}=={_version_of(folder)}\n"
                                 for folder, (dist_name, _) in PACKAGES.items()))  # fmt: skip

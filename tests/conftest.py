@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,20 @@ def tiny_qwen_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str | Non
         "qwen3_5_moe_text", root / checkpoint_name("qwen3_5_moe_text")
     )
     return models
+
+
+@pytest.fixture(scope="session")
+def native_references(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The run's native vLLM references (tests/support/afd_references.py): one per
+    (checkpoint content, prompts, grouping, dtype, engine mode, vLLM version), on disk in
+    ``AFD_REFERENCE_DIR`` (shared by every nox session of a ``.ci/run``) or in this
+    session's temp folder."""
+    from afd_references import NativeReferences
+
+    root = os.environ.get("AFD_REFERENCE_DIR")
+    refs = NativeReferences(Path(root) if root else tmp_path_factory.mktemp("references"))
+    yield refs
+    print(f"\n[afd] native references: {refs.engines} engine(s) started, {refs.hits} hit(s)")
 
 
 # ------------------------------------------------------------------ failure digest

@@ -26,10 +26,29 @@ if [ -z "${UV_FIND_LINKS:-}" ]; then
     export UV_FIND_LINKS
 fi
 
+# Run nox sessions one after the other (all of them, also after a failure), print each
+# one's time, and append "session<TAB>seconds<TAB>exit code" to $AFD_TIMINGS when set
+# (.ci/run sets it; tools/ci_summary.py reads it). Arguments after the session names go
+# to nox (e.g. `bash tools/dev.sh test -- -k parity`).
+sessions() {
+    local names=() failed=0 name t0 rc
+    while [ $# -gt 0 ] && [ "$1" != "--" ]; do names+=("$1"); shift; done
+    [ "${1:-}" = "--" ] && shift
+    for name in "${names[@]}"; do
+        t0=$(date +%s)
+        if nox -s "$name" "$@"; then rc=0; else rc=$?; failed=1; fi
+        echo "[dev] nox session $name: $(( $(date +%s) - t0 )) s, exit $rc" >&2
+        if [ -n "${AFD_TIMINGS:-}" ]; then
+            printf '%s\t%s\t%s\n' "$name" "$(( $(date +%s) - t0 ))" "$rc" >> "$AFD_TIMINGS"
+        fi
+    done
+    return "$failed"
+}
+
 case "${1:-test}" in
-    test) shift || true; uv lock --check; exec nox -s lint typecheck core-no-torch tests build "$@" ;;
+    test) shift || true; uv lock --check; sessions lint typecheck core-no-torch tests build -- "$@" ;;
     # the matrix last: CI keeps the end of the output (its failure digest)
-    ci) shift || true; exec nox -s install-each install-smoke tests-matrix "$@" ;;
+    ci) shift || true; sessions install-each install-smoke tests-matrix -- "$@" ;;
     demo) shift; exec nox -s demo -- "$@" ;;
     *) exec nox "$@" ;;
 esac

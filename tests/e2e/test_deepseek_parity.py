@@ -19,10 +19,11 @@ from afd_processes import (
     afd_settings,
     assert_same_tokens,
     inventory,
-    offline_greedy,
     run_offline_afd,
     served_layers,
 )
+
+from afd.reference import FIXED_PROMPTS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
@@ -30,19 +31,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 MATRIX = pytest.mark.matrix
 
 ALIASES = {"deepseek_v2": "AFDDeepseekV2ForCausalLM", "deepseek_v3": "AFDDeepseekV3ForCausalLM"}
-
-
-@pytest.fixture(scope="module")
-def native_tokens(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
-    cache: dict[str, Any] = {}
-
-    def get(arch: str) -> Any:
-        if arch not in cache:
-            tmp = tmp_path_factory.mktemp(f"native-{arch}")
-            cache[arch] = offline_greedy(tiny_models[arch], tmp / "native.json", tmp)
-        return cache[arch]
-
-    return get
 
 
 # A connector from a distribution outside the workspace, found through its
@@ -88,7 +76,8 @@ def _install_third_party(site: Path) -> None:
     [
         ("deepseek_v2", "ffn", THIRD_PARTY),
         pytest.param("deepseek_v2", "attention-topk", "P2pGlooAFDConnector", marks=MATRIX),
-        ("deepseek_v2", "ffn", "P2pShmAFDConnector"),
+        # shm: the default of `afd launch`, served by default in test_launch.py
+        pytest.param("deepseek_v2", "ffn", "P2pShmAFDConnector", marks=MATRIX),
         pytest.param("deepseek_v3", "ffn", "P2pGlooAFDConnector", marks=MATRIX),
         ("deepseek_v3", "attention-topk", "P2pGlooAFDConnector"),
         pytest.param("deepseek_v3", "attention-router_logits", "P2pGlooAFDConnector", marks=MATRIX),
@@ -96,7 +85,7 @@ def _install_third_party(site: Path) -> None:
 )
 def test_1a1f_greedy_tokens_equal_native(
     tiny_models: dict[str, Path],
-    native_tokens: Any,
+    native_references: Any,
     tmp_path: Path,
     arch: str,
     gate: str,
@@ -110,9 +99,12 @@ def test_1a1f_greedy_tokens_equal_native(
     afd = afd_settings(gate, connector=connector)
     result, ffn_log = run_offline_afd(tiny_models[arch], ALIASES[arch], afd, tmp_path)
     assert f"connector {connector} at" in ffn_log
-    native = native_tokens(arch)
-    assert result["prompts"] == native["prompts"]
-    assert_same_tokens(result["token_ids"], native["token_ids"], native["prompts"])
+    # (one engine also answers test_deepseek_served's one-at-a-time reference)
+    native, _ = native_references.served_and_batched(
+        tiny_models[arch], FIXED_PROMPTS, FIXED_PROMPTS[:8]
+    )
+    assert result["prompts"] == list(FIXED_PROMPTS)
+    assert_same_tokens(result["token_ids"], native, list(FIXED_PROMPTS))
     # Every layer of every step crossed to the FFN role (3 layers x >= 32 steps).
     assert served_layers(ffn_log) >= 3 * 32
     assert "peer gone" in ffn_log

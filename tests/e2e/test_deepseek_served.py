@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 from afd_processes import (
-    Server,
     afd_settings,
     assert_role_inventories,
     assert_same_tokens,
@@ -34,18 +33,14 @@ PROMPTS = list(FIXED_PROMPTS[:8])
 
 
 @pytest.fixture(scope="module")
-def native_served(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
-    cache: dict[str, list[list[int]]] = {}
+def native_served(tiny_models: dict[str, Path], native_references: Any) -> Any:
+    """Native vLLM's tokens for PROMPTS, each prompt its own batch (the deployments are
+    asked one request at a time)."""
 
     def get(arch: str) -> list[list[int]]:
-        if arch not in cache:
-            server = Server.native(tiny_models[arch], tmp_path_factory.mktemp(f"native-{arch}"))
-            try:
-                server.wait_ready()
-                cache[arch] = [server.complete(p) for p in PROMPTS]
-            finally:
-                server.kill()
-        return cache[arch]
+        # (one engine also answers test_deepseek_parity's batched reference)
+        _, served = native_references.served_and_batched(tiny_models[arch], FIXED_PROMPTS, PROMPTS)
+        return served
 
     return get
 
@@ -125,6 +120,6 @@ def test_served_tokens_equal_native_and_sigterm_stops_everything(
         assert "timed out" not in ffn_log, ffn_log[-3000:]
     # Both live roles reported what they hold.
     assert_role_inventories(attention_log, ffn_log, gate_on_attention=gate != "ffn")
-    assert_same_tokens(got, native_served(arch), PROMPTS, "native vllm serve")
+    assert_same_tokens(got, native_served(arch), PROMPTS, "native vLLM, one request at a time")
     if micro_batches > 1:
         assert f"ping-pong micro-batching with {micro_batches} micro-batches" in attention_log

@@ -1,8 +1,8 @@
 """A deployment assembled from roles that loaded different things does not come up.
 
 Real ``afd serve`` processes on tiny checkpoints: the FFN role is started on another
-architecture, on the same architecture with other weights, with another dtype, and
-with other routing settings than its Attention role. Both roles must exit non-zero
+architecture, on the same architecture with other weights, and with another dtype and
+other routing settings (one start for both) than its Attention role. Both roles must exit non-zero
 within 10 s of meeting at the rendezvous, each naming the differing fields with both
 values. (The same checkpoint starting as before is what every other served test does.)
 """
@@ -97,6 +97,8 @@ def test_ffn_on_another_architecture(
     )
 
 
+@pytest.mark.matrix  # runs in `nox -s tests-matrix`; the default run checks fingerprints
+# at the connector level (packages/afd-connectors-gpu/tests/test_admission.py)
 def test_ffn_on_other_weights(
     tiny_models: dict[str, Path], other_weights: Path, tmp_path: Path
 ) -> None:
@@ -109,32 +111,28 @@ def test_ffn_on_other_weights(
 
 
 @pytest.mark.matrix  # runs in `nox -s tests-matrix` (CI runs it too)
-def test_ffn_with_another_dtype(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    ffn, attention, took = _run_mismatch(
-        tiny_models["deepseek_v3"],
-        tiny_models["deepseek_v3"],
-        tmp_path,
-        ffn_args=("--dtype", "float32"),
-    )
-    _assert_refused(
-        ffn, attention, took, ["dtype: attention rank 0 has 'bfloat16', ffn rank 0 has 'float32'"]
-    )
-
-
-@pytest.mark.matrix  # runs in `nox -s tests-matrix` (CI runs it too)
-def test_ffn_with_other_routing_settings(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+def test_ffn_with_another_dtype_and_other_routing_settings(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """One start answers both drills: each differing field is named, with both values."""
     ffn, attention, took = _run_mismatch(
         tiny_models["deepseek_v3"],
         tiny_models["deepseek_v3"],
         tmp_path,
         ffn_afd={"compute_gate_on_attention": True, "routing_payload": "topk"},
-        ffn_args=("--hf-overrides", json.dumps({"routed_scaling_factor": 7.5})),
+        ffn_args=(
+            "--dtype",
+            "float32",
+            "--hf-overrides",
+            json.dumps({"routed_scaling_factor": 7.5}),
+        ),
     )
     _assert_refused(
         ffn,
         attention,
         took,
         [
+            "dtype: attention rank 0 has 'bfloat16', ffn rank 0 has 'float32'",
             "routed_scaling_factor:",
             "ffn rank 0 has '7.5'",
             "gate_on_attention: attention rank 0 has 'ffn', ffn rank 0 has 'attention'",

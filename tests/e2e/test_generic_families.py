@@ -1,11 +1,17 @@
 """More MoE families through the generic role-aware path (afd_moe_runners.generic): no
-afd code is written for any of them. For each: greedy tokens equal to native vLLM in a
-batch (vllm.LLM) and served one request at a time (afd serve / vllm serve), both gate
-placements, 1A1F (Mixtral also 2A1F); the role inventories; and every checkpoint tensor
-loaded by exactly one role or by both, as the split plan says.
+afd code is written for any of them. For each family both gate placements, 1A1F: one
+placement with the prompts in a batch (vllm.LLM), the other served one request at a time
+(afd serve / vllm serve); greedy tokens equal to native vLLM, the role inventories, and
+every checkpoint tensor loaded by exactly one role or by both, as the split plan says.
+Mixtral is also served 2A1F.
 
-One family runs in the default run (Mixtral, batched, gate on FFN); the rest is
-``matrix`` (`nox -s tests-matrix`, which CI runs after the default run).
+Batched and served run the same generic path (what differs between them is vLLM's front
+end, covered for every family by one served run each); what differs per family is the
+gate placement (the family's router on the FFN role or on the Attention role), so each
+family runs each placement once. One case runs in the default run (Mixtral, batched,
+gate on FFN); the rest is ``matrix`` (`nox -s tests-matrix`, which CI runs after the
+default run). One native engine per family answers both references
+(tests/support/afd_references.py).
 """
 
 from __future__ import annotations
@@ -16,11 +22,9 @@ from typing import Any
 
 import pytest
 from afd_processes import (
-    Server,
     afd_settings,
     assert_role_inventories,
     assert_same_tokens,
-    offline_greedy,
     run_offline_afd,
     run_served_afd,
 )
@@ -40,7 +44,6 @@ FAMILIES = {
     # Batched in test_qwen_parity.py (both gates); served here.
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
-BATCHED_ELSEWHERE = {"qwen3_5_moe_text"}
 PROMPTS = list(FIXED_PROMPTS)
 
 
@@ -60,24 +63,15 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
-def native(family_models: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Native vLLM's greedy tokens per (arch, "batched" | "served"), computed once."""
-    cache: dict[tuple[str, str], list[list[int]]] = {}
+def native(family_models: Any, native_references: Any) -> Any:
+    """Native vLLM's greedy tokens per (arch, "batched" | "served"): the prompts as one
+    batch, or each prompt as its own batch (served one request at a time)."""
 
     def get(arch: str, how: str) -> list[list[int]]:
-        if (arch, how) not in cache:
-            tmp = tmp_path_factory.mktemp(f"native-{how}-{arch}")
-            model = family_models(arch)
-            if how == "batched":
-                cache[arch, how] = offline_greedy(model, tmp / "native.json", tmp)["token_ids"]
-            else:
-                server = Server.native(model, tmp)
-                try:
-                    server.wait_ready()
-                    cache[arch, how] = [server.complete(p) for p in PROMPTS]
-                finally:
-                    server.kill()
-        return cache[arch, how]
+        batched, served = native_references.served_and_batched(
+            family_models(arch), PROMPTS, PROMPTS
+        )
+        return batched if how == "batched" else served
 
     return get
 
@@ -111,19 +105,35 @@ def _assert_split(attention_log: str, ffn_log: str, model: Path, gate: str) -> N
     assert loaded == total, (attention, ffn, total)
 
 
-CASES = [
+#: (family, gate placement) run batched; the family's other placement is served.
+BATCHED = [
     ("mixtral", "ffn"),
-    pytest.param("mixtral", "attention-topk", marks=MATRIX),
-    *(
-        pytest.param(arch, gate, marks=MATRIX)
-        for arch in FAMILIES
-        if arch != "mixtral" and arch not in BATCHED_ELSEWHERE
-        for gate in ("ffn", "attention-topk")
-    ),
+    pytest.param("glm4_moe", "attention-topk", marks=MATRIX),
+    pytest.param("ernie4_5_moe", "ffn", marks=MATRIX),
+    pytest.param("qwen3_next", "attention-topk", marks=MATRIX),
+    pytest.param("gpt_oss", "ffn", marks=MATRIX),
+    # qwen3_5_moe_text: batched with the gate on FFN in test_qwen_parity.py
+]
+SERVED = [
+    ("mixtral", "attention-topk"),
+    ("glm4_moe", "ffn"),
+    ("ernie4_5_moe", "attention-topk"),
+    ("qwen3_next", "ffn"),
+    ("gpt_oss", "attention-topk"),
+    ("qwen3_5_moe_text", "attention-topk"),
 ]
 
 
-@pytest.mark.parametrize(("arch", "gate"), CASES)
+def test_every_family_runs_each_gate_placement_once() -> None:
+    """The case lists above cover every family with both placements (a family added to
+    FAMILIES without its cases fails here)."""
+    batched = {tuple(c.values) if hasattr(c, "values") else c for c in BATCHED}
+    pairs = batched | set(SERVED) | {("qwen3_5_moe_text", "ffn")}
+    assert pairs == {(a, g) for a in FAMILIES for g in ("ffn", "attention-topk")}
+    assert not batched & set(SERVED)
+
+
+@pytest.mark.parametrize(("arch", "gate"), BATCHED)
 def test_batched_tokens_equal_native(
     family_models: Any, native: Any, tmp_path: Path, arch: str, gate: str
 ) -> None:
@@ -134,14 +144,13 @@ def test_batched_tokens_equal_native(
 
 
 @MATRIX
-@pytest.mark.parametrize("gate", ["ffn", "attention-topk"])
-@pytest.mark.parametrize("arch", list(FAMILIES))
+@pytest.mark.parametrize(("arch", "gate"), SERVED)
 def test_served_tokens_equal_native(
     family_models: Any, native: Any, tmp_path: Path, arch: str, gate: str
 ) -> None:
     model = family_models(arch)
     got, attention_log, ffn_log = run_served_afd(model, afd_settings(gate), tmp_path, PROMPTS)
-    assert_same_tokens(got, native(arch, "served"), PROMPTS, "native vllm serve")
+    assert_same_tokens(got, native(arch, "served"), PROMPTS, "native vLLM, one request at a time")
     _assert_split(attention_log, ffn_log, model, gate)
 
 
@@ -151,5 +160,7 @@ def test_mixtral_2a1f_served_tokens_equal_native(
 ) -> None:
     afd = afd_settings("ffn", num_attention_ranks=2)
     got, attention_log, ffn_log = run_served_afd(family_models("mixtral"), afd, tmp_path, PROMPTS)
-    assert_same_tokens(got, native("mixtral", "served"), PROMPTS, "native vllm serve")
+    assert_same_tokens(
+        got, native("mixtral", "served"), PROMPTS, "native vLLM, one request at a time"
+    )
     _assert_split(attention_log, ffn_log, family_models("mixtral"), "ffn")

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from afd_processes import afd_settings, assert_same_tokens, offline_greedy, run_offline_afd
+from afd_processes import afd_settings, assert_same_tokens, run_offline_afd
+from afd_references import batch
 
 from afd.reference import FIXED_PROMPTS
 
@@ -139,6 +140,7 @@ def _assert_split_and_overlap(profile: Path, m: int) -> None:
 )
 def test_qwen_micro_batched_tokens_equal_native_whole_batch(
     tiny_qwen_models: dict[str | None, Path],
+    native_references: Any,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     m: int,
@@ -146,9 +148,9 @@ def test_qwen_micro_batched_tokens_equal_native_whole_batch(
 ) -> None:
     model = tiny_qwen_models[None]
     prompts = list(FIXED_PROMPTS[:8])
-    native = offline_greedy(model, tmp_path / "native.json", tmp_path, prompts=prompts)
+    native = native_references.tokens(model, batch(prompts))
     result, profile = _run(model, QWEN, gate, m, tmp_path, monkeypatch, prompts)
-    assert_same_tokens(result["token_ids"], native["token_ids"], prompts)
+    assert_same_tokens(result["token_ids"], native, prompts)
     _assert_split_and_overlap(profile, m)
 
 
@@ -162,6 +164,7 @@ def test_qwen_micro_batched_tokens_equal_native_whole_batch(
 )
 def test_deepseek_micro_batched_tokens_equal_native_per_micro_batch(
     tiny_models: dict[str, Path],
+    native_references: Any,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     m: int,
@@ -170,12 +173,10 @@ def test_deepseek_micro_batched_tokens_equal_native_per_micro_batch(
     model = tiny_models["deepseek_v3"]
     per = 6 // m
     prompts = equal_length_prompts(model, per * m)
-    grouped: list[list[int]] = []
-    for g in range(m):
-        part = prompts[g * per : (g + 1) * per]
-        grouped += offline_greedy(model, tmp_path / f"native{g}.json", tmp_path, prompts=part)[
-            "token_ids"
-        ]
+    # Each micro-batch's prompts as a batch of their own (one engine answers all groups).
+    grouped = native_references.tokens(
+        model, [tuple(prompts[g * per : (g + 1) * per]) for g in range(m)]
+    )
     result, profile = _run(model, DEEPSEEK, gate, m, tmp_path, monkeypatch, prompts)
     assert_same_tokens(
         result["token_ids"], grouped, prompts, "native vLLM per micro-batch", min_prompts=6
@@ -185,31 +186,33 @@ def test_deepseek_micro_batched_tokens_equal_native_per_micro_batch(
 
 @pytest.mark.matrix
 def test_native_mla_depends_on_batch_composition(
-    tiny_models: dict[str, Path], tmp_path: Path
+    tiny_models: dict[str, Path], native_references: Any
 ) -> None:
     """Why DeepSeek's exact reference is per micro-batch: native vLLM alone, float32."""
     model = tiny_models["deepseek_v3"]
     prompts = equal_length_prompts(model, 4)
-    whole = offline_greedy(model, tmp_path / "w.json", tmp_path, prompts=prompts, dtype="float32")
-    halves = [
-        offline_greedy(model, tmp_path / f"h{i}.json", tmp_path, prompts=p, dtype="float32")
-        for i, p in enumerate((prompts[:2], prompts[2:]))
-    ]
-    split = halves[0]["token_ids"] + halves[1]["token_ids"]
+    # One engine: the four prompts as one batch, then as two batches of two.
+    answers = native_references.tokens(
+        model, [*batch(prompts), tuple(prompts[:2]), tuple(prompts[2:])], dtype="float32"
+    )
+    whole, split = answers[:4], answers[4:]
     # Fails if vLLM's CPU MLA stops depending on the batch: the DeepSeek parity above
     # could then compare with the whole batch, as the Qwen parity does.
-    assert split != whole["token_ids"]
+    assert split != whole
 
 
 @pytest.mark.matrix  # runs in `nox -s tests-matrix` (CI runs it too)
 def test_one_request_runs_as_one_micro_batch(
-    tiny_qwen_models: dict[str | None, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_qwen_models: dict[str | None, Path],
+    native_references: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     model = tiny_qwen_models[None]
     prompts = [FIXED_PROMPTS[0]]
-    native = offline_greedy(model, tmp_path / "native.json", tmp_path, prompts=prompts)
+    native = native_references.tokens(model, batch(prompts))
     result, profile = _run(model, QWEN, "ffn", 2, tmp_path, monkeypatch, prompts)
-    assert_same_tokens(result["token_ids"], native["token_ids"], prompts, min_prompts=1)
+    assert_same_tokens(result["token_ids"], native, prompts, min_prompts=1)
     sends = [s for s in read_spans(profile, "attention") if s["cat"] == "send"]
     assert sends and {s["mb"] for s in sends} == {0}
     assert "ping-pong micro-batching with 2 micro-batches" in result["log"]
@@ -217,19 +220,22 @@ def test_one_request_runs_as_one_micro_batch(
 
 @pytest.mark.matrix  # runs in `nox -s tests-matrix` (CI runs it too)
 def test_steps_under_the_token_threshold_run_whole(
-    tiny_qwen_models: dict[str | None, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_qwen_models: dict[str | None, Path],
+    native_references: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``afd.micro_batch_min_tokens`` = 9 with 8 prompts: the prefill step (every prompt's
     tokens) is split, each decode step (8 tokens) runs whole; tokens equal native."""
     model = tiny_qwen_models[None]
     prompts = list(FIXED_PROMPTS[:8])
-    native = offline_greedy(model, tmp_path / "native.json", tmp_path, prompts=prompts)
+    native = native_references.tokens(model, batch(prompts))
     profile = tmp_path / "profile"
     monkeypatch.setenv("AFD_PROFILE_DIR", str(profile))
     afd = afd_settings("ffn", num_micro_batches=2, micro_batch_min_tokens=9)
     result, _ = run_offline_afd(model, QWEN, afd, tmp_path, prompts=prompts)
     monkeypatch.delenv("AFD_PROFILE_DIR")
-    assert_same_tokens(result["token_ids"], native["token_ids"], prompts)
+    assert_same_tokens(result["token_ids"], native, prompts)
     sends = [s for s in read_spans(profile, "attention") if s["cat"] == "send"]
     split = [s["tokens"] for s in sends if s["mb"] == 1]
     assert split, "the prefill step was not split"

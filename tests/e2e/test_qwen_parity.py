@@ -25,16 +25,15 @@ from typing import Any
 
 import pytest
 from afd_processes import (
-    Server,
     afd_settings,
     assert_role_inventories,
     assert_same_tokens,
     inventory,
-    offline_greedy,
     run_offline_afd,
     run_served_afd,
     served_layers,
 )
+from afd_references import batch
 
 from afd.reference import FIXED_PROMPTS
 
@@ -44,17 +43,22 @@ ALIAS = "AFDQwen3MoeForCausalLM"
 PROMPTS = list(FIXED_PROMPTS[:8])
 
 
-@pytest.fixture(scope="module")
-def native_tokens(
-    tiny_qwen_models: dict[str | None, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Any:
-    cache: dict[str | None, Any] = {}
+#: Variants also served (2A1F) below: their native engine answers both references.
+SERVED_VARIANTS = (None, "no_norm_topk")
 
-    def get(variant: str | None) -> Any:
-        if variant not in cache:
-            tmp = tmp_path_factory.mktemp(f"native-qwen-{variant}")
-            cache[variant] = offline_greedy(tiny_qwen_models[variant], tmp / "native.json", tmp)
-        return cache[variant]
+
+def _native(refs: Any, model: Path, variant: str | None) -> tuple[Any, Any]:
+    if variant in SERVED_VARIANTS:
+        return refs.served_and_batched(model, FIXED_PROMPTS, PROMPTS)
+    return refs.tokens(model, batch(FIXED_PROMPTS)), None
+
+
+@pytest.fixture(scope="module")
+def native_tokens(tiny_qwen_models: dict[str | None, Path], native_references: Any) -> Any:
+    """Native vLLM's tokens for the fixed prompts generated in one batch."""
+
+    def get(variant: str | None) -> list[list[int]]:
+        return _native(native_references, tiny_qwen_models[variant], variant)[0]
 
     return get
 
@@ -67,10 +71,10 @@ MATRIX = pytest.mark.matrix
     ("variant", "gate"),
     [
         # Gate on FFN through the generic path runs by default with Mixtral
-        # (test_generic_families); every Qwen case of it in `tests-matrix`.
-        pytest.param(None, "ffn", marks=MATRIX),
+        # (test_generic_families); every Qwen case of it in `tests-matrix`. The default
+        # and no_norm_topk variants with the gate on FFN run served, 2A1F (below): each
+        # (variant, gate) pair runs once.
         pytest.param(None, "attention-topk", marks=MATRIX),
-        pytest.param("no_norm_topk", "ffn", marks=MATRIX),
         pytest.param("no_norm_topk", "attention-topk", marks=MATRIX),
         pytest.param("dense_layers", "ffn", marks=MATRIX),
         ("dense_layers", "attention-topk"),
@@ -86,9 +90,8 @@ def test_1a1f_greedy_tokens_equal_native(
     result, ffn_log = run_offline_afd(
         tiny_qwen_models[variant], ALIAS, afd_settings(gate), tmp_path
     )
-    native = native_tokens(variant)
-    assert result["prompts"] == native["prompts"]
-    assert_same_tokens(result["token_ids"], native["token_ids"], native["prompts"])
+    assert result["prompts"] == list(FIXED_PROMPTS)
+    assert_same_tokens(result["token_ids"], native_tokens(variant), list(FIXED_PROMPTS))
     # The FFN role computed every layer of every step (3 layers per forward step).
     assert served_layers(ffn_log) >= 3 * 32
     assert "peer gone" in ffn_log
@@ -99,21 +102,12 @@ def test_1a1f_greedy_tokens_equal_native(
 
 
 @pytest.fixture(scope="module")
-def native_served(
-    tiny_qwen_models: dict[str | None, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Any:
-    cache: dict[str | None, list[list[int]]] = {}
+def native_served(tiny_qwen_models: dict[str | None, Path], native_references: Any) -> Any:
+    """Native vLLM's tokens for PROMPTS answered one request at a time (each its own
+    batch), as the served deployments are asked."""
 
     def get(variant: str | None) -> list[list[int]]:
-        if variant not in cache:
-            tmp = tmp_path_factory.mktemp(f"native-served-qwen-{variant}")
-            server = Server.native(tiny_qwen_models[variant], tmp)
-            try:
-                server.wait_ready()
-                cache[variant] = [server.complete(p) for p in PROMPTS]
-            finally:
-                server.kill()
-        return cache[variant]
+        return _native(native_references, tiny_qwen_models[variant], variant)[1]
 
     return get
 
@@ -123,7 +117,7 @@ def native_served(
     # Both in `nox -s tests-matrix`: the default run's 2A1F served cases are DeepSeek's.
     [
         pytest.param(None, "ffn", marks=MATRIX),
-        pytest.param("dense_layers", "attention-topk", marks=MATRIX),
+        pytest.param("no_norm_topk", "ffn", marks=MATRIX),
     ],
 )
 def test_2a1f_served_tokens_equal_native(
@@ -137,7 +131,7 @@ def test_2a1f_served_tokens_equal_native(
     got, attention_log, ffn_log = run_served_afd(tiny_qwen_models[variant], afd, tmp_path, PROMPTS)
     assert_role_inventories(attention_log, ffn_log, gate_on_attention=gate != "ffn")
     assert served_layers(ffn_log) > 0
-    assert_same_tokens(got, native_served(variant), PROMPTS, "native vllm serve")
+    assert_same_tokens(got, native_served(variant), PROMPTS, "native vLLM, one request at a time")
 
 
 # ----------------------------------------------------------------- Qwen3.5/3.6-MoE
@@ -146,12 +140,10 @@ def test_2a1f_served_tokens_equal_native(
 # vLLM 0.32's qwen3_5 model file imports torchvision (for images only), which this CPU
 # environment lacks: native vLLM and both roles import it through afd's seam
 # (afd_models_qwen.qwen3_5_import, installed by the afd plugin in every vLLM process).
-# Both gate placements run in `nox -s tests-matrix`: one case costs ~60 s on 2 cores
-# (a native reference of its own ~25 s + the 1A1F run ~35 s); the default run covers the
-# seam in the role-construction and drift tests.
-@pytest.mark.parametrize(
-    "gate", [pytest.param("ffn", marks=MATRIX), pytest.param("attention-topk", marks=MATRIX)]
-)
+# In `nox -s tests-matrix`: batched here with the gate on FFN, served with the gate on
+# Attention in test_generic_families.py; the default run covers the seam in the
+# role-construction and drift tests.
+@pytest.mark.parametrize("gate", [pytest.param("ffn", marks=MATRIX)])
 def test_qwen3_5_moe_1a1f_greedy_tokens_equal_native(
     tiny_qwen_models: dict[str | None, Path],
     native_tokens: Any,
@@ -166,8 +158,8 @@ def test_qwen3_5_moe_1a1f_greedy_tokens_equal_native(
         tmp_path,
     )
     native = native_tokens("qwen3_5_moe_text")
-    assert result["prompts"] == native["prompts"]
-    assert_same_tokens(result["token_ids"], native["token_ids"], native["prompts"])
+    assert result["prompts"] == list(FIXED_PROMPTS)
+    assert_same_tokens(result["token_ids"], native, list(FIXED_PROMPTS))
     assert served_layers(ffn_log) >= 4 * 32
     ffn_inv = inventory(ffn_log, "ffn")
     assert ffn_inv.get("attention", 0) == 0 and ffn_inv["shared_experts"] > 0, ffn_inv
@@ -201,5 +193,5 @@ def test_qwen3_5_moe_1a1f_on_cuda_greedy_tokens_equal_native(
         tmp_path,
     )
     native = native_tokens("qwen3_5_moe_text")
-    assert_same_tokens(result["token_ids"], native["token_ids"], native["prompts"])
+    assert_same_tokens(result["token_ids"], native, list(FIXED_PROMPTS))
     assert served_layers(ffn_log) >= 4 * 32

@@ -3,10 +3,10 @@
 One cluster for the module (``ray start --head --block`` in a temporary folder, bound to
 127.0.0.1, with Ray's token authentication, stopped and checked empty at the end). Each
 test launches a deployment whose roles are Ray actors, checks greedy parity with native
-vLLM on the tiny DeepSeek-V2 (the same engine arguments, native started by the local
-launcher once for the module), then stops it and checks that nothing is left: no process
-of any role (nor any process naming the checkpoint or a role's guard), no actor or
-placement group of the deployment in the cluster.
+vLLM on the tiny DeepSeek-V2 (the run's shared native reference: each prompt its own
+batch, as the deployment is asked one request at a time), then stops it and checks that
+nothing is left: no process of any role (nor any process naming the checkpoint or a
+role's guard), no actor or placement group of the deployment in the cluster.
 
 * 1A1F: stopped by SIGTERM (exit 0, ``stopped; no process left``).
 * 2A1F: the FFN actor is killed (``ray.kill``); the launcher names the role that died,
@@ -156,16 +156,13 @@ class RayCluster:
 
 
 @pytest.fixture(scope="module")
-def native_tokens(tiny_models: dict[str, Path]) -> list[list[int]]:
-    """Greedy tokens of native vLLM for PROMPTS, one request at a time (started by the
-    local launcher with the spec's engine arguments)."""
-    from afd.demo import complete_each
-    from afd.launch import Deployment, DeploymentSpec
+def native_tokens(tiny_models: dict[str, Path], native_references: Any) -> list[list[int]]:
+    """Greedy tokens of native vLLM for PROMPTS, one request at a time (each prompt its
+    own batch; the run's shared reference, the spec's dtype and eager mode)."""
+    from afd_references import singles
 
-    spec = DeploymentSpec(model=str(tiny_models["deepseek_v2"]), native=True)
-    with Deployment(spec, echo=False, progress_every_s=60) as dep:
-        ids, _ = complete_each(dep.url, PROMPTS)
-    return ids
+    tokens: list[list[int]] = native_references.tokens(tiny_models["deepseek_v2"], singles(PROMPTS))
+    return tokens
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Role-aware DeepSeek wrappers, built and loaded by real vLLM (CPU) from a tiny checkpoint.
 
-Each case runs in a fresh interpreter: vLLM keeps process-global state (distributed
+Each case runs in a process of its own (forked from a build server that imported vLLM
+once, tests/support/afd_role_models.py): vLLM keeps process-global state (distributed
 groups, the layer registry) that one model build per process keeps honest.
 """
 

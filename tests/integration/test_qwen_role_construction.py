@@ -1,6 +1,6 @@
 """Role-aware Qwen wrappers, built and loaded by real vLLM (CPU) from tiny checkpoints.
 
-Each case runs in a fresh interpreter (vLLM keeps process-global state), built by
+Each case builds in a process of its own (vLLM keeps process-global state), forked by
 tests/support/afd_role_models.py.
 """
 

@@ -41,6 +41,99 @@ BUILD = textwrap.dedent(
 )
 
 
+# A build server: imports vLLM once, then forks a fresh child per build (the child has
+# vLLM imported but no state of any earlier build: no distributed groups, no layer
+# registry), so a build costs its own seconds, not another ~15 s of imports. Requests and
+# answers are JSON lines on stdin / stdout; each child's output goes to files.
+ZYGOTE = textwrap.dedent(
+    """
+    import json, os, sys, tempfile
+    from vllm.engine.arg_utils import EngineArgs  # noqa: F401  (imported once, inherited)
+    from vllm.v1.executor import Executor  # noqa: F401
+    import vllm.v1.worker.cpu_worker  # noqa: F401
+    import afd.ffn_server  # noqa: F401
+    BUILD = sys.argv[1]
+    print("ZYGOTE READY", flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        out = open(req["stdout"], "w")
+        err = open(req["stderr"], "w")
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            os.environ["TMPDIR"] = req["tmp"]
+            tempfile.tempdir = None
+            sys.argv = ["-c", *req["argv"]]
+            code = 0
+            try:
+                exec(compile(BUILD, "<build>", "exec"), {"__name__": "__main__"})
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        out.close()
+        err.close()
+        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+    """
+)
+
+
+class _BuildServer:
+    """The session's build server (started on first use, stopped at interpreter exit)."""
+
+    proc: subprocess.Popen[str] | None = None
+    env_key: tuple[tuple[str, str], ...] | None = None
+
+    @classmethod
+    def build(
+        cls, argv: list[str], tmp_path: Path, env: dict[str, str]
+    ) -> subprocess.CompletedProcess[str]:
+        # (pytest names the running test in the environment: not a reason to restart)
+        key = tuple(
+            sorted((k, v) for k, v in env.items() if k not in ("TMPDIR", "PYTEST_CURRENT_TEST"))
+        )
+        if cls.proc is not None and (cls.proc.poll() is not None or cls.env_key != key):
+            cls.stop()
+        if cls.proc is None:
+            import atexit
+
+            cls.proc = subprocess.Popen(
+                [sys.executable, "-c", ZYGOTE, BUILD], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, text=True, env=env,
+            )  # fmt: skip
+            cls.env_key = key
+            atexit.register(cls.stop)
+            assert cls.proc.stdout is not None
+            ready = cls.proc.stdout.readline()
+            assert ready.startswith("ZYGOTE READY"), f"the build server did not start: {ready!r}"
+        assert cls.proc.stdin is not None and cls.proc.stdout is not None
+        out, err = tmp_path / "build.stdout", tmp_path / "build.stderr"
+        request = {"argv": argv, "tmp": str(tmp_path), "stdout": str(out), "stderr": str(err)}
+        cls.proc.stdin.write(json.dumps(request) + "\n")
+        cls.proc.stdin.flush()
+        answer = cls.proc.stdout.readline()
+        assert answer, "the build server died"
+        code = int(json.loads(answer)["returncode"])
+        return subprocess.CompletedProcess(
+            [sys.executable, "-c", "BUILD", *argv], code, out.read_text(), err.read_text()
+        )
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.proc is not None:
+            if cls.proc.poll() is None:
+                cls.proc.kill()
+            cls.proc.wait(10)
+            cls.proc = None
+
+
 def run_role_model_build(
     model_dir: Path,
     arch: str,
@@ -49,18 +142,12 @@ def run_role_model_build(
     engine_kwargs: dict[str, object] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Build (and load) ``arch`` for the role in ``afd`` with vLLM's executor, in a new
-    interpreter; ``engine_kwargs`` are extra ``EngineArgs`` fields."""
-    env = {**os.environ, "TMPDIR": str(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    process of its own (forked from the session's build server, which imported vLLM
+    once); ``engine_kwargs`` are extra ``EngineArgs`` fields."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     argv = [str(model_dir), arch, json.dumps(afd), json.dumps(engine_kwargs or {})]
-    return subprocess.run(
-        [sys.executable, "-c", BUILD, *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
+    return _BuildServer.build(argv, tmp_path, env)
 
 
 def probe_result(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:

@@ -66,9 +66,20 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def harness(request: pytest.FixtureRequest) -> Iterator[ProcessHarness]:
-    name, kwargs, _ = CONNECTORS[request.param]
-    if request.param == "nccl":
+def harnesses() -> Iterator[dict[str, ProcessHarness]]:
+    """One harness per connector id for the whole module, so consecutive cases of one
+    (connector, topology) reuse its process set (a module-scoped fixture parametrized
+    per case would be set up and torn down for every case: a spawn per case)."""
+    made: dict[str, ProcessHarness] = {}
+    try:
+        yield made
+    finally:
+        for h in made.values():
+            h.close()
+
+
+def _harness(harnesses: dict[str, ProcessHarness], connector: str) -> ProcessHarness:
+    if connector == "nccl":
         torch = pytest.importorskip("torch")
         if not torch.cuda.is_available():
             need = ", ".join(f"{t.label} {t.world_size}" for t in conformance.TOPOLOGIES)
@@ -76,13 +87,21 @@ def harness(request: pytest.FixtureRequest) -> Iterator[ProcessHarness]:
                 "requires CUDA (torch.cuda.is_available() is False); NCCL needs one CUDA "
                 f"device per rank: {need}"
             )
-    with ProcessHarness(name, **kwargs) as h:
-        yield h
+    if connector not in harnesses:
+        # one live process set at a time: the previous connector's is done
+        for other in harnesses.values():
+            other.close()
+        name, kwargs, _ = CONNECTORS[connector]
+        harnesses[connector] = ProcessHarness(name, **kwargs)
+    return harnesses[connector]
 
 
-@pytest.mark.parametrize(("harness", "scenario", "topology"), CASES, indirect=["harness"])
-def test_connector_conforms(harness: ProcessHarness, scenario, topology) -> None:
-    if harness.device_per_rank:  # NCCL: the fixture checked that torch has CUDA
+@pytest.mark.parametrize(("connector", "scenario", "topology"), CASES)
+def test_connector_conforms(
+    harnesses: dict[str, ProcessHarness], connector: str, scenario, topology
+) -> None:
+    harness = _harness(harnesses, connector)
+    if harness.device_per_rank:  # NCCL: _harness checked that torch has CUDA
         import torch
 
         needed = topology.world_size

