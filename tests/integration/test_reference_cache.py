@@ -35,17 +35,22 @@ class Recorder:
 
 
 @pytest.fixture(scope="module")
-def other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def two_seeds(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """deepseek_v3 with seeds 0 and 1: same config, names and shapes, other weights
+    (generated here side by side, so they are generated alike)."""
     from afd.models.tiny import generate_tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("ref-other-weights")
-    return generate_tiny_checkpoint("deepseek_v3", root / "deepseek_v3-s1", seed=1)
+    root = tmp_path_factory.mktemp("ref-seeds")
+    return (
+        generate_tiny_checkpoint("deepseek_v3", root / "deepseek_v3-s0", seed=0),
+        generate_tiny_checkpoint("deepseek_v3", root / "deepseek_v3-s1", seed=1),
+    )
 
 
 def test_the_key_follows_the_weights_not_the_path_or_the_config(
-    tiny_models: dict[str, Path], other_weights: Path, tmp_path: Path
+    two_seeds: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    model = tiny_models["deepseek_v3"]
+    model, other_weights = two_seeds
     same_config = json.loads((other_weights / "config.json").read_text())
     assert same_config == json.loads((model / "config.json").read_text())
     assert checkpoint_digest(model) != checkpoint_digest(other_weights)
@@ -55,9 +60,9 @@ def test_the_key_follows_the_weights_not_the_path_or_the_config(
 
 
 def test_the_key_follows_dtype_prompts_tokens_and_engine_mode(
-    tiny_models: dict[str, Path],
+    two_seeds: tuple[Path, Path],
 ) -> None:
-    model = tiny_models["deepseek_v3"]
+    model = two_seeds[0]
     base = reference_key(model, PROMPTS)
     assert reference_key(model, PROMPTS, dtype="bfloat16") == base
     others = {
@@ -72,9 +77,9 @@ def test_the_key_follows_dtype_prompts_tokens_and_engine_mode(
 
 
 def test_hits_come_from_disk_and_misses_start_one_engine(
-    tiny_models: dict[str, Path], other_weights: Path, tmp_path: Path
+    two_seeds: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    model = tiny_models["deepseek_v3"]
+    model, other_weights = two_seeds
     engine = Recorder()
     refs = NativeReferences(tmp_path / "refs", runner=engine)
 
