@@ -155,20 +155,10 @@ class NativeReferences:
     def _path(self, key: str) -> Path:
         return self.root / f"{key}.json"
 
-    def tokens(
-        self,
-        model: Path,
-        groups: Sequence[Group],
-        *,
-        dtype: str = "bfloat16",
-        max_tokens: int = 32,
-        llm_kwargs: dict[str, Any] | None = None,
-    ) -> list[list[int]]:
-        """Greedy token ids per prompt, in the order of ``groups`` flattened."""
-        answers = self.groups(
-            model, groups, dtype=dtype, max_tokens=max_tokens, llm_kwargs=llm_kwargs
-        )
-        return [ids for group in answers for ids in group]
+    def tokens(self, model: Path, groups: Sequence[Group], **kw: Any) -> list[list[int]]:
+        """Greedy token ids per prompt, in the order of ``groups`` flattened (``kw``: as
+        :meth:`groups`)."""
+        return [ids for group in self.groups(model, groups, **kw) for ids in group]
 
     def served_and_batched(
         self, model: Path, batched: Sequence[str], served: Sequence[str], **kw: Any
@@ -201,15 +191,13 @@ class NativeReferences:
         missing = list(dict.fromkeys(k for k in keys if k not in found))
         self.hits += len(set(keys)) - len(missing)
         if missing:
-            todo = [g for k, g in dict(zip(keys, groups, strict=True)).items() if k in missing]
+            group_of = dict(zip(keys, groups, strict=True))
+            todo = [group_of[k] for k in missing]
             self.engines += 1
             answers = self.runner(Path(model), todo, dtype, max_tokens, kwargs)
             assert len(answers) == len(todo), (len(answers), len(todo))
-            for group, ids in zip(todo, answers, strict=True):
+            for key, group, ids in zip(missing, todo, answers, strict=True):
                 assert len(ids) == len(group) and all(len(t) == max_tokens for t in ids), ids
-                key = reference_key(
-                    model, group, dtype=dtype, max_tokens=max_tokens, llm_kwargs=kwargs
-                )
                 entry = {"model": str(model), "prompts": list(group), "dtype": dtype,
                          "engine": kwargs, "token_ids": ids}  # fmt: skip
                 tmp = self._path(key).with_suffix(".tmp")

@@ -172,6 +172,10 @@ def native_greedy_groups(
     t1 = time.perf_counter()
     llm = LLM(**llm_kwargs)
     t_init = time.perf_counter() - t1
+    settings = {
+        k: (v if isinstance(v, str | int | float | bool | type(None)) else repr(v))
+        for k, v in {**llm_kwargs, "max_tokens": max_tokens}.items()
+    }
     results: list[GreedyResult] = []
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -192,10 +196,7 @@ def native_greedy_groups(
                         "generate_s": round(t_gen, 3),
                         "tokens_per_s": round(n_tokens / t_gen, 1) if t_gen > 0 else 0.0,
                     },
-                    settings={
-                        k: (v if isinstance(v, str | int | float | bool | type(None)) else repr(v))
-                        for k, v in {**llm_kwargs, "max_tokens": max_tokens}.items()
-                    },
+                    settings=dict(settings),
                 )
             )
     finally:
