@@ -102,15 +102,24 @@ def test_env(session: nox.Session) -> dict[str, str]:
     }
 
 
-def pytest(session: nox.Session, *args: str, python: str = "python") -> None:
+#: pytest workers of the ``tests`` and ``tests-matrix`` sessions (``AFD_TEST_WORKERS``;
+#: 1 = no xdist). A vLLM role spends most of its start-up importing Python on one core,
+#: so two deployments starting side by side keep a 2-core machine busy where one leaves
+#: a core idle; how the work is cut: tests/support/afd_workers.py.
+PYTEST_WORKERS = int(os.environ.get("AFD_TEST_WORKERS", "2"))
+
+
+def pytest(session: nox.Session, *args: str, python: str = "python", workers: int = 1) -> None:
     """pytest with the session's arguments. A selection that collects no test fails
     (pytest's exit code 5 is not success): a session that tests nothing must say so.
     With ``AFD_REPORT_DIR`` set (``.ci/run`` sets it) a JUnit report per session lands
-    there, for the run's summary of the slowest tests (tools/ci_summary.py)."""
+    there, for the run's summary of the slowest tests (tools/ci_summary.py). With
+    ``workers`` > 1 the tests run on that many xdist workers."""
     report = os.environ.get("AFD_REPORT_DIR")
     junit = [f"--junitxml={Path(report) / (session.name + '.xml')}"] if report else []
+    xdist = ["-p", "afd_workers", "-n", str(workers)] if workers > 1 else []
     session.run(
-        python, "-m", "pytest", *args, *junit, *session.posargs,
+        python, "-m", "pytest", *xdist, *args, *junit, *session.posargs,
         env=test_env(session), external=python != "python",
     )  # fmt: skip
 
@@ -128,7 +137,7 @@ def tests(session: nox.Session) -> None:
     sync(session, *TEST_VENV_GROUPS, *TEST_VENV_EXTRAS)
     # The 30 slowest tests end the report: where the suite's time goes (docs/development.md).
     selection = "not gpu and not npu and not matrix"
-    pytest(session, "packages", "tests", "-m", selection, "--durations=30")
+    pytest(session, "packages", "tests", "-m", selection, "--durations=30", workers=PYTEST_WORKERS)
 
 
 @nox.session(name="tests-matrix", venv_backend="none")
@@ -151,7 +160,7 @@ def tests_matrix(session: nox.Session) -> None:
     )  # fmt: skip
     pytest(
         session, "packages", "tests", "-m", "matrix and not gpu and not npu", "--durations=20",
-        python=str(venv / "bin" / "python"),
+        python=str(venv / "bin" / "python"), workers=PYTEST_WORKERS,
     )  # fmt: skip
 
 

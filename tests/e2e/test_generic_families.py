@@ -71,6 +71,12 @@ def native(family_models: Any, native_references: Any) -> Any:
         batched, served = native_references.served_and_batched(
             family_models(arch), PROMPTS, PROMPTS
         )
+        # The family's native run (packages/afd-meta/tests/test_tiny_models.py leaves
+        # these families to this one): not degenerate, so equal tokens mean something.
+        for ids in (batched, served):
+            assert len({tuple(t) for t in ids}) == len(ids), (arch, ids)
+            assert len({t[0] for t in ids}) >= len(ids) // 2, (arch, ids)
+            assert len({x for t in ids for x in t}) > 50, (arch, ids)
         return batched if how == "batched" else served
 
     return get

@@ -156,12 +156,22 @@ class RayCluster:
 
 
 @pytest.fixture(scope="module")
-def native_tokens(tiny_models: dict[str, Path], native_references: Any) -> list[list[int]]:
+def ray_model(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the tiny DeepSeek-V2 under a path of this module's own: "no process left
+    that names the model" then looks only at this module's deployments (another test
+    process may be serving the shared checkpoint at the same time)."""
+    return Path(
+        shutil.copytree(tiny_models["deepseek_v2"], tmp_path_factory.mktemp("ray") / "model")
+    )
+
+
+@pytest.fixture(scope="module")
+def native_tokens(ray_model: Path, native_references: Any) -> list[list[int]]:
     """Greedy tokens of native vLLM for PROMPTS, one request at a time (each prompt its
     own batch; the run's shared reference, the spec's dtype and eager mode)."""
     from afd_references import singles
 
-    tokens: list[list[int]] = native_references.tokens(tiny_models["deepseek_v2"], singles(PROMPTS))
+    tokens: list[list[int]] = native_references.tokens(ray_model, singles(PROMPTS))
     return tokens
 
 
@@ -246,13 +256,13 @@ def _assert_nothing_left(cluster: RayCluster, launcher: Launcher, model: Path) -
 
 def test_ray_1a1f_parity_then_sigterm_leaves_nothing(
     ray_cluster: RayCluster,
-    tiny_models: dict[str, Path],
+    ray_model: Path,
     native_tokens: list[list[int]],
     tmp_path: Path,
 ) -> None:
     from afd.demo import complete_each
 
-    model = tiny_models["deepseek_v2"]
+    model = ray_model
     launcher, url, startup_s = _launch_ready(ray_cluster, _spec(tmp_path, model, 1), tmp_path)
     try:
         assert re.search(r"^\[afd\] cpus on .*: attn=0, ffn0=1", launcher.output, re.M) or (
@@ -277,13 +287,13 @@ def test_ray_1a1f_parity_then_sigterm_leaves_nothing(
 
 def test_ray_2a1f_parity_then_killed_ffn_actor_stops_the_rest(
     ray_cluster: RayCluster,
-    tiny_models: dict[str, Path],
+    ray_model: Path,
     native_tokens: list[list[int]],
     tmp_path: Path,
 ) -> None:
     from afd.demo import complete_each
 
-    model = tiny_models["deepseek_v2"]
+    model = ray_model
     launcher, url, startup_s = _launch_ready(ray_cluster, _spec(tmp_path, model, 2), tmp_path)
     try:
         got, _ = complete_each(url, PROMPTS)

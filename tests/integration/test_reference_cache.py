@@ -102,3 +102,35 @@ def test_hits_come_from_disk_and_misses_start_one_engine(
     assert len(engine.calls) == 4 and engine.calls[-1][1] == singles(PROMPTS)
     assert served == [ids for group in refs.groups(model, singles(PROMPTS)) for ids in group]
     assert len(engine.calls) == 4
+
+
+def test_two_askers_at_once_start_one_engine(two_seeds: tuple[Path, Path], tmp_path: Path) -> None:
+    """Two test processes (xdist workers) that miss the same reference at the same time:
+    the second waits for the first's engine and reads its answer."""
+    import threading
+    import time
+
+    model = two_seeds[0]
+    recorder = Recorder()
+
+    def slow_engine(*args: Any) -> list[list[list[int]]]:
+        time.sleep(1.0)
+        return recorder(*args)
+
+    answers: list[list[list[int]]] = []
+    askers = [
+        threading.Thread(
+            target=lambda: answers.append(
+                NativeReferences(tmp_path / "refs", runner=slow_engine).tokens(
+                    model, batch(PROMPTS)
+                )
+            )
+        )
+        for _ in range(2)
+    ]
+    for asker in askers:
+        asker.start()
+    for asker in askers:
+        asker.join(timeout=30)
+    assert len(answers) == 2 and answers[0] == answers[1]
+    assert len(recorder.calls) == 1, "two engines computed the same reference"

@@ -24,13 +24,15 @@ weights under the same config, or the same weights elsewhere, are told apart cor
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -183,25 +185,60 @@ class NativeReferences:
             reference_key(model, g, dtype=dtype, max_tokens=max_tokens, llm_kwargs=kwargs)
             for g in groups
         ]
+        found = self._read(keys)
+        missing = list(dict.fromkeys(k for k in keys if k not in found))
+        if missing:
+            # One engine per checkpoint at a time across the run's processes (xdist
+            # workers, nox sessions): a second asker waits, then reads the answers.
+            with self._lock(model):
+                found.update(self._read(missing))
+                missing = [k for k in missing if k not in found]
+                if missing:
+                    found.update(self._compute(model, keys, groups, missing, dtype,
+                                               max_tokens, kwargs))  # fmt: skip
+        self.hits += len(set(keys)) - len(missing)
+        return [found[key] for key in keys]
+
+    def _read(self, keys: Sequence[str]) -> dict[str, list[list[int]]]:
         found: dict[str, list[list[int]]] = {}
         for key in keys:
             path = self._path(key)
             if path.exists():
                 found[key] = json.loads(path.read_text())["token_ids"]
-        missing = list(dict.fromkeys(k for k in keys if k not in found))
-        self.hits += len(set(keys)) - len(missing)
-        if missing:
-            group_of = dict(zip(keys, groups, strict=True))
-            todo = [group_of[k] for k in missing]
-            self.engines += 1
-            answers = self.runner(Path(model), todo, dtype, max_tokens, kwargs)
-            assert len(answers) == len(todo), (len(answers), len(todo))
-            for key, group, ids in zip(missing, todo, answers, strict=True):
-                assert len(ids) == len(group) and all(len(t) == max_tokens for t in ids), ids
-                entry = {"model": str(model), "prompts": list(group), "dtype": dtype,
-                         "engine": kwargs, "token_ids": ids}  # fmt: skip
-                tmp = self._path(key).with_suffix(".tmp")
-                tmp.write_text(json.dumps(entry))
-                tmp.replace(self._path(key))
-                found[key] = ids
-        return [found[key] for key in keys]
+        return found
+
+    @contextlib.contextmanager
+    def _lock(self, model: Path) -> Iterator[None]:
+        path = self.root / f"{checkpoint_digest(Path(model))[:24]}.lock"
+        with open(path, "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _compute(
+        self,
+        model: Path,
+        keys: Sequence[str],
+        groups: Sequence[Group],
+        missing: Sequence[str],
+        dtype: str,
+        max_tokens: int,
+        kwargs: dict[str, Any],
+    ) -> dict[str, list[list[int]]]:
+        group_of = dict(zip(keys, groups, strict=True))
+        todo = [group_of[k] for k in missing]
+        self.engines += 1
+        answers = self.runner(Path(model), todo, dtype, max_tokens, kwargs)
+        assert len(answers) == len(todo), (len(answers), len(todo))
+        done: dict[str, list[list[int]]] = {}
+        for key, group, ids in zip(missing, todo, answers, strict=True):
+            assert len(ids) == len(group) and all(len(t) == max_tokens for t in ids), ids
+            entry = {"model": str(model), "prompts": list(group), "dtype": dtype,
+                     "engine": kwargs, "token_ids": ids}  # fmt: skip
+            tmp = self._path(key).with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(entry))
+            tmp.replace(self._path(key))
+            done[key] = ids
+        return done

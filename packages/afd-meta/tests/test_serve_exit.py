@@ -4,11 +4,13 @@ here is a stand-in for vLLM's API server (no vLLM process)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -63,7 +65,6 @@ def test_sigterm_is_forwarded_and_is_a_clean_stop(tmp_path: object) -> None:
 def test_the_server_gets_a_fresh_prometheus_folder_or_the_given_one(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pathlib import Path
 
     seen = Path(str(tmp_path)) / "seen.txt"
     code = (
@@ -81,3 +82,44 @@ def test_the_server_gets_a_fresh_prometheus_folder_or_the_given_one(
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(given))
     assert run_attention_server(_child(code)) == 0
     assert seen.read_text() == f"{given} True" and given.is_dir()  # the user's, kept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return stat[0] != "Z"
+
+
+@pytest.mark.parametrize("ignores_sigterm", [False, True])
+def test_a_server_that_lingers_after_a_reason_is_stopped(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch, ignores_sigterm: bool
+) -> None:
+    """The runtime recorded why it stopped but the server (and a process below it, like
+    vLLM's engine core) keep running: SIGTERM after the grace period, then SIGKILL for
+    the whole tree; the exit code is still 1."""
+    import afd.serve
+
+    monkeypatch.setattr(afd.serve, "STOP_GRACE_S", 0.5)
+    pid_file = os.path.join(str(tmp_path), "grandchild.pid")
+    code = (
+        "import os, signal, subprocess, sys, time\n"
+        f"if {ignores_sigterm}: signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "g = subprocess.Popen([sys.executable, '-c', "
+        "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+        f"open({pid_file!r}, 'w').write(str(g.pid))\n"
+        "open(os.environ['AFD_EXIT_REASON_FILE'], 'a').write('AFDFingerprintMismatchError: x\\n')\n"
+        "time.sleep(60)\n"
+    )
+    t0 = time.monotonic()
+    assert run_attention_server(_child(code)) == 1
+    took = time.monotonic() - t0
+    grandchild = int(Path(pid_file).read_text())
+    if ignores_sigterm:
+        assert not _alive(grandchild), "a process below the server survived SIGKILL"
+    else:
+        with contextlib.suppress(ProcessLookupError):  # SIGTERM reached only the server
+            os.kill(grandchild, signal.SIGKILL)
+    assert took < 10, took

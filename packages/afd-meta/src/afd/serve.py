@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +171,9 @@ def run_attention_server(cmd: list[str]) -> int:
     because AFD lost the FFN role. The AFD runtime in the worker records why it stopped
     (:mod:`afd_core.lifecycle`); this process forwards SIGTERM / SIGINT to the server and,
     after it exited: 0 if a stop was requested, 1 (logging the reason) if AFD recorded
-    one, else the server's code.
+    one, else the server's code. A server still running :data:`STOP_GRACE_S` after a
+    reason was recorded gets SIGTERM, and :data:`STOP_GRACE_S` later it and every process
+    below it get SIGKILL: a role whose AFD runtime stopped does not linger.
 
     The server gets ``PROMETHEUS_MULTIPROC_DIR`` (a fresh folder for its lifetime, unless
     one is set): the AFD metrics its worker processes record then appear on its
@@ -201,7 +204,7 @@ def _run_attention_server(cmd: list[str]) -> int:
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        code = child.wait()
+        code = _wait_for_server(child, reason_path, requested)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -218,6 +221,69 @@ def _run_attention_server(cmd: list[str]) -> int:
         logger.error("AFD attention server stopped by AFD: %s", reasons[0])
         return 1
     return code if code >= 0 else 128 - code
+
+
+#: After the AFD runtime recorded why it stopped, vLLM's API server gets this long to exit
+#: on its own (it fails the requests in flight and tears its engine down), then SIGTERM,
+#: then, this long again later, SIGKILL for it and every process below it. vLLM's own
+#: teardown after a worker failed at start-up took 6-9 s here, which left a deployment
+#: with a refused peer up for longer than the 10 s a supervisor should wait.
+STOP_GRACE_S = 3.0
+
+
+def _wait_for_server(child: subprocess.Popen[bytes], reason_path: str, requested: list[int]) -> int:
+    """Wait for the API server; once a reason is recorded, stop it if it lingers."""
+    seen_at: float | None = None
+    signalled: list[int] = []
+    while True:
+        try:
+            return child.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        if requested:  # a stop was asked for: the server got the signal, let it finish
+            continue
+        now = time.monotonic()
+        if seen_at is None:
+            with contextlib.suppress(OSError):
+                if os.path.getsize(reason_path) > 0:
+                    seen_at = now
+            continue
+        if not signalled and now - seen_at >= STOP_GRACE_S:
+            logger.warning(
+                "AFD stopped the attention role (%s); vLLM's API server (pid %d) is still "
+                "running after %.0f s: SIGTERM",
+                (read_exit_reasons(reason_path) or ["?"])[0],
+                child.pid,
+                STOP_GRACE_S,
+            )
+            signalled.append(signal.SIGTERM)
+            _signal_tree(child.pid, signal.SIGTERM, include_descendants=False)
+        elif len(signalled) == 1 and now - seen_at >= 2 * STOP_GRACE_S:
+            logger.warning("vLLM's API server ignored SIGTERM: SIGKILL to it and its children")
+            signalled.append(signal.SIGKILL)
+            _signal_tree(child.pid, signal.SIGKILL, include_descendants=True)
+
+
+def _children(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``; none elsewhere)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _signal_tree(pid: int, sig: int, *, include_descendants: bool) -> None:
+    targets = [*(_children(pid) if include_descendants else []), pid]
+    for target in targets:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(target, sig)
 
 
 def health_options(args: list[str]) -> tuple[str, int]:
