@@ -65,7 +65,6 @@ def test_sigterm_is_forwarded_and_is_a_clean_stop(tmp_path: object) -> None:
 def test_the_server_gets_a_fresh_prometheus_folder_or_the_given_one(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-
     seen = Path(str(tmp_path)) / "seen.txt"
     code = (
         "import os\n"
