@@ -102,7 +102,9 @@ def test_served_tokens_equal_native_and_sigterm_stops_everything(
 ) -> None:
     extra: dict[str, Any] = {"transfer_timeout_s": IDLE_TRANSFER_TIMEOUT_S} if idle else {}
     if micro_batches > 1:
-        extra["num_micro_batches"] = micro_batches
+        # by its upstream alias: `afd serve` must give the Attention role the AFD worker
+        # for it as for num_micro_batches (the batched micro-batch tests use that name)
+        extra["num_afd_stages"] = micro_batches
     between = None
     if arch == "deepseek_v2":
         token_file = tmp_path / "afd-token"

@@ -20,6 +20,11 @@ def test_micro_batching_adds_the_afd_worker(cuda: bool, worker: str) -> None:
     assert "--additional-config" in argv  # the probe does not consume the caller's args
 
 
+def test_the_upstream_alias_num_afd_stages_adds_the_worker_too() -> None:
+    argv = _argv({"role": "attention", "num_afd_stages": 2})
+    assert attention_worker_args(argv, cuda=False) == ["--worker-cls", "afd.worker.AFDCPUWorker"]
+
+
 def test_one_micro_batch_or_an_explicit_worker_adds_nothing() -> None:
     assert attention_worker_args(_argv({"role": "attention"}), cuda=False) == []
     explicit = [*_argv({"num_micro_batches": 3}), "--worker-cls", "my.Worker"]

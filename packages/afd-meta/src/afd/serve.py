@@ -125,8 +125,11 @@ def attention_worker_args(argv: list[str], *, cuda: bool | None = None) -> list[
     if any(a == "--worker-cls" or a.startswith("--worker-cls=") for a in argv):
         return []
     probe = list(argv)
-    afd_section = _json_option(probe, "--additional-config").get("afd") or {}
-    if int(afd_section.get("num_micro_batches", 1) or 1) <= 1:
+    # parsed, not read by key: the upstream alias num_afd_stages counts too
+    afd = AFDConfig.from_additional_config(
+        _json_option(probe, "--additional-config"), role="attention"
+    )
+    if afd.num_micro_batches <= 1:
         return []
     if cuda is None:
         import torch
