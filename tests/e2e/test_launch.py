@@ -7,7 +7,12 @@ The 2A1F deployment is one attention server with two data-parallel ranks (vLLM k
 them in lock step, running dummy batches on the idle one, which the FFN fan-in needs)
 and one FFN server. ``afd launch`` waits for the FFN server's ``/health`` (200 once both
 attention ranks are connected); its ``/metrics`` and the attention server's carry the
-AFD metrics of every rank.
+AFD metrics of every rank. It is also the default run's 2A1F served parity case: the
+tiny DeepSeek-V3 with the gate on Attention (top-k payload) and two micro-batches, set by
+the upstream alias ``num_afd_stages`` (asked one request at a time, the busy DP rank runs
+each step whole and every rank adds a shadow micro-batch, so both send two per layer);
+greedy tokens equal native vLLM asked the same way (the matrix runs the same case
+through ``afd serve`` directly: tests/e2e/test_deepseek_served.py).
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
-from afd_processes import Launcher, group_pgid_members
+from afd_processes import Launcher, assert_role_inventories, assert_same_tokens, group_pgid_members
+
+from afd.reference import FIXED_PROMPTS
 
 pytestmark = [
     pytest.mark.e2e,
@@ -41,7 +49,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(generate_tiny_checkpoint("deepseek_v2", tmp_path_factory.mktemp("ckpt") / "dsv2"))
 
 
-def complete(url: str, prompt: str, max_tokens: int, timeout: float) -> dict:
+def complete(
+    url: str, prompt: str, max_tokens: int, timeout: float, *, return_token_ids: bool = False
+) -> dict:
     with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
         model = json.loads(r.read())["data"][0]["id"]
     payload = {
@@ -50,6 +60,7 @@ def complete(url: str, prompt: str, max_tokens: int, timeout: float) -> dict:
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
+        "return_token_ids": return_token_ids,
     }
     req = urllib.request.Request(
         f"{url}/v1/completions",
@@ -73,12 +84,22 @@ def metric_values(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], flo
     }
 
 
-def test_2a1f_serves_and_stops_on_sigterm(tiny_model: Path, tmp_path: Path) -> None:
+#: Asked one at a time (the reference: each prompt its own batch, as in
+#: test_deepseek_served.py, so one native engine answers both).
+PROMPTS = list(FIXED_PROMPTS[:8])
+
+
+def test_2a1f_serves_and_stops_on_sigterm(
+    tiny_models: dict[str, Path], native_references: Any, tmp_path: Path
+) -> None:
+    model = tiny_models["deepseek_v3"]
+    _, native = native_references.served_and_batched(model, FIXED_PROMPTS, PROMPTS)
     spec = tmp_path / "2a1f.toml"
     spec.write_text(
-        f'model = "{tiny_model}"\nnum_attention = 2\nnum_ffn = 1\n'
-        f'log_dir = "{tmp_path / "logs"}"\n'
+        f'model = "{model}"\nnum_attention = 2\nnum_ffn = 1\n'
+        f'log_dir = "{tmp_path / "logs"}"\ncompute_gate_on_attention = true\n'
         "[afd]\nconnect_timeout_s = 300\ntransfer_timeout_s = 120\n"
+        'routing_payload = "topk"\nnum_afd_stages = 2\n'
     )
     launcher = Launcher(spec, tmp_path)
     try:
@@ -110,6 +131,12 @@ def test_2a1f_serves_and_stops_on_sigterm(tiny_model: Path, tmp_path: Path) -> N
             assert a["usage"]["completion_tokens"] == 8
         # Greedy and deterministic: the same prompt gives the same text again.
         assert answers[0]["choices"][0]["text"] == lone["choices"][0]["text"]
+        # One request at a time: token for token what native vLLM answers.
+        got = [
+            complete(urls[0], p, 32, 300, return_token_ids=True)["choices"][0]["token_ids"]
+            for p in PROMPTS
+        ]
+        assert_same_tokens(got, native, PROMPTS, "native vLLM, one request at a time")
         # Both DP ranks exchanged layers (the idle one with dummy batches); the FFN
         # served each layer once for both.
         attn = metric_values(urls[0])
@@ -128,6 +155,11 @@ def test_2a1f_serves_and_stops_on_sigterm(tiny_model: Path, tmp_path: Path) -> N
         launcher._reader.join(5)
         assert rc == 0, launcher.output[-3000:]
         assert "stopped; no process left" in launcher.output
+        out = launcher.output.splitlines()
+        attention_log = "\n".join(ln for ln in out if ln.startswith("[attn]"))
+        ffn_log = "\n".join(ln for ln in out if ln.startswith("[ffn0]"))
+        assert_role_inventories(attention_log, ffn_log, gate_on_attention=True)
+        assert "ping-pong micro-batching with 2 micro-batches" in attention_log
         assert stopped_s < 10.0, f"teardown took {stopped_s:.1f} s"
         assert group_pgid_members([*pgids.values(), launcher.proc.pid]) == []
     finally:
