@@ -80,6 +80,18 @@ def test_invalid_specs_fail_with_clear_errors(kwargs: dict, match: str) -> None:
         DeploymentSpec(model="/m", **kwargs)
 
 
+def test_upstream_aliases_in_afd_are_resolved_once() -> None:
+    spec = DeploymentSpec(
+        model="/m", afd={"afd_connector": "P2pGlooAFDConnector", "num_afd_stages": 2}
+    )
+    assert spec.afd == {"connector": "P2pGlooAFDConnector", "num_micro_batches": 2}
+    assert spec.connector == "P2pGlooAFDConnector"
+    sec = spec.afd_section("attention", 0, port=1)
+    assert sec["connector"] == "P2pGlooAFDConnector" and "afd_connector" not in sec
+    with pytest.raises(SpecError, match=r"afd.num_micro_batches: given twice, as 'num_afd"):
+        DeploymentSpec(model="/m", afd={"num_afd_stages": 2, "num_micro_batches": 2})
+
+
 def test_model_is_required_and_unknown_keys_get_a_hint() -> None:
     with pytest.raises(SpecError, match=r"model: missing"):
         DeploymentSpec.from_dict({"num_attention": 1})

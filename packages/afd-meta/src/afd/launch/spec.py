@@ -245,6 +245,7 @@ class DeploymentSpec:
                     f"ffn.devices: {','.join(shared)} also in attention.devices; every rank "
                     "needs its own device (NCCL refuses two ranks on one device)"
                 )
+        self._canonical_afd()
         self._check_ray()
         self._check_afd()
 
@@ -345,14 +346,28 @@ class DeploymentSpec:
         if ov.cpus is not None and CPU_BIND in ov.env:
             raise SpecError(f"{role}.cpus and {role}.env.{CPU_BIND} are both set; keep one of them")
 
-    def _check_afd(self) -> None:
+    def _canonical_afd(self) -> None:
+        """``[afd]`` under canonical names: upstream aliases (``afd_connector``,
+        ``num_afd_stages``...) are resolved here, once, so everything that reads the
+        spec (connector choice, placement, bench) sees one name per setting."""
         if not isinstance(self.afd, Mapping):
             raise SpecError(f"afd: expected a table of afd keys, got {self.afd!r}")
-        self.afd = dict(self.afd)
-        for key in self.afd:
-            managed = MANAGED_AFD_KEYS.get(CONFIG_ALIASES.get(key, key))  # afd_port: port
+        canonical: dict[str, Any] = {}
+        given_as: dict[str, str] = {}
+        for key, value in self.afd.items():
+            name = CONFIG_ALIASES.get(key, key) if isinstance(key, str) else key
+            managed = MANAGED_AFD_KEYS.get(name)  # afd_port: port
             if managed is not None:
                 raise SpecError(f"afd.{key}: set by the launcher; use the spec field {managed}")
+            if name in canonical:
+                raise SpecError(
+                    f"afd.{name}: given twice, as {given_as[name]!r} and {key!r}; "
+                    f"keep only {name!r}"
+                )
+            canonical[name], given_as[name] = value, key
+        self.afd = canonical
+
+    def _check_afd(self) -> None:
         try:  # afd-core's checks, the ones the roles will run, but now
             AFDConfig.parse(self.afd_section(AFDRole.ATTENTION, 0, port=1))
         except AFDConfigError as exc:
