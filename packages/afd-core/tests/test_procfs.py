@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from afd_core.procfs import group_members, process_start, read_stat
+from afd_core.procfs import descendants, group_members, process_start, read_stat
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 
@@ -38,3 +38,26 @@ def test_a_zombie_and_a_reaped_child_are_gone() -> None:
     assert group_members(child.pid) == []
     child.wait()
     assert read_stat(child.pid) is None and process_start(child.pid) is None
+
+
+def test_descendants_are_children_then_their_children() -> None:
+    grandchild = "import time; time.sleep(30)"
+    code = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {grandchild!r}])\n"
+        "time.sleep(30)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 20
+        below: list[int] = []
+        while time.monotonic() < deadline and not below:
+            below = descendants(child.pid)
+            time.sleep(0.1)
+        assert len(below) == 1, below  # the grandchild
+        mine = descendants(os.getpid())
+        assert mine.index(child.pid) < mine.index(below[0])
+    finally:
+        for pid in [*descendants(child.pid), child.pid]:
+            os.kill(pid, 9)
+        child.wait()

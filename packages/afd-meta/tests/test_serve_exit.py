@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from afd.serve import run_attention_server
+from afd_core.procfs import process_start
 
 
 def _child(code: str) -> list[str]:
@@ -83,15 +84,6 @@ def test_the_server_gets_a_fresh_prometheus_folder_or_the_given_one(
     assert seen.read_text() == f"{given} True" and given.is_dir()  # the user's, kept
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return stat[0] != "Z"
-
-
 @pytest.mark.parametrize("ignores_sigterm", [False, True])
 def test_a_server_that_lingers_after_a_reason_is_stopped(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch, ignores_sigterm: bool
@@ -117,7 +109,7 @@ def test_a_server_that_lingers_after_a_reason_is_stopped(
     took = time.monotonic() - t0
     grandchild = int(Path(pid_file).read_text())
     if ignores_sigterm:
-        assert not _alive(grandchild), "a process below the server survived SIGKILL"
+        assert process_start(grandchild) is None, "a process below the server survived SIGKILL"
     else:
         with contextlib.suppress(ProcessLookupError):  # SIGTERM reached only the server
             os.kill(grandchild, signal.SIGKILL)

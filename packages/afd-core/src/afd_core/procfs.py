@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["ProcStat", "group_members", "process_start", "read_stat"]
+__all__ = ["ProcStat", "descendants", "group_members", "process_start", "read_stat"]
 
 _DEAD_STATES = frozenset({"Z", "X", "x"})  # zombie / dead: exited, not yet reaped
 
@@ -18,6 +18,7 @@ _DEAD_STATES = frozenset({"Z", "X", "x"})  # zombie / dead: exited, not yet reap
 class ProcStat:
     pid: int
     state: str
+    ppid: int
     pgrp: int
     start_time: str
     """Field 22 of proc(5)'s stat: start time in clock ticks after boot."""
@@ -30,7 +31,7 @@ class ProcStat:
 def _parse(pid: int, data: bytes) -> ProcStat:
     # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses.
     fields = data[data.rindex(b")") + 2 :].split()
-    return ProcStat(pid, fields[0].decode(), int(fields[2]), fields[19].decode())
+    return ProcStat(pid, fields[0].decode(), int(fields[1]), int(fields[2]), fields[19].decode())
 
 
 def read_stat(pid: int) -> ProcStat | None:
@@ -64,9 +65,8 @@ def process_start(pid: int) -> str | None:
     return stat.start_time
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) pids whose process group is ``pgid``."""
-    members = []
+def _live_stats() -> list[ProcStat]:
+    stats = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -74,6 +74,25 @@ def group_members(pgid: int) -> list[int]:
             stat = read_stat(int(entry))
         except (OSError, ValueError, IndexError):
             continue
-        if stat is not None and stat.alive and stat.pgrp == pgid:
-            members.append(stat.pid)
-    return members
+        if stat is not None and stat.alive:
+            stats.append(stat)
+    return stats
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) pids whose process group is ``pgid``."""
+    return [stat.pid for stat in _live_stats() if stat.pgrp == pgid]
+
+
+def descendants(pid: int) -> list[int]:
+    """Live pids below ``pid`` (children, their children, ...), parents first."""
+    children: dict[int, list[int]] = {}
+    for stat in _live_stats():
+        children.setdefault(stat.ppid, []).append(stat.pid)
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        kids = children.get(todo.pop(0), [])
+        found += kids
+        todo += kids
+    return found

@@ -31,6 +31,7 @@ from afd.plugin import afd_alias_of
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDConfigError
 from afd_core.lifecycle import EXIT_REASON_ENV, read_exit_reasons
+from afd_core.procfs import descendants
 
 logger = logging.getLogger("afd.serve")
 
@@ -267,23 +268,8 @@ def _wait_for_server(child: subprocess.Popen[bytes], reason_path: str, requested
             _signal_tree(child.pid, signal.SIGKILL, include_descendants=True)
 
 
-def _children(pid: int) -> list[int]:
-    """Every process below ``pid`` (Linux ``/proc``; none elsewhere)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-            parents.setdefault(int(fields[1]), []).append(int(entry.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
 def _signal_tree(pid: int, sig: int, *, include_descendants: bool) -> None:
-    targets = [*(_children(pid) if include_descendants else []), pid]
+    targets = [*(descendants(pid) if include_descendants else []), pid]
     for target in targets:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(target, sig)
