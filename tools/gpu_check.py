@@ -20,6 +20,15 @@ What it runs, each part in fresh spawned processes (one per AFD rank):
 3. ``nccl_peer_loss``: the FFN side waiting in the NCCL receive while its attention
    peer's process dies must raise ``AFDPeerLostError`` quickly (the gloo watcher).
 
+4. ``compiled_exchange``: the Attention role's exchange op (``afd::exchange``,
+   afd_moe_runners.exchange_op; torch only) on cuda:0 inside ``torch.compile(backend=
+   "inductor", fullgraph=True, dynamic=True)`` of a small Linear -> exchange -> Linear
+   model whose fake layer's exchange runs host code (a counter, a host copy): outputs
+   equal eager, the op runs once per call; then the same compiled call captured whole in
+   a CUDA graph and replayed: the replay skips the exchange's host code (the counter does
+   not move), which is why full CUDA graphs are refused and piecewise graphs split at the
+   op (docs/architecture.md, "Compiled execution").
+
 Prints one JSON document (also written to ``--out``). This is a tool, not a test: the
 GPU-marked tests need one GPU per rank (see docs/gpu.md).
 """
@@ -193,6 +202,76 @@ def _run(part: str, a: int, f: int, timeout: float = 120.0) -> list[dict[str, An
     return out
 
 
+def compiled_exchange_probe() -> dict[str, Any]:
+    """Part 4 (in this process, cuda:0): see the module docstring."""
+    import torch
+
+    from afd_moe_runners import exchange_op
+
+    result: dict[str, Any] = {}
+    try:
+
+        class HostLayer:
+            calls = 0
+
+            def afd_exchange(self, x: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+                HostLayer.calls += 1
+                return (x.cpu() * 2 + 1).to(x.device)  # host code, as a connector's
+
+        layer = HostLayer()
+        exchange_op.register_layer("probe.layers.0.mlp", layer)
+
+        class Model(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.a = torch.nn.Linear(HIDDEN, HIDDEN)
+                self.b = torch.nn.Linear(HIDDEN, HIDDEN)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                y = exchange_op.exchange(layer, "probe.layers.0.mlp", torch.relu(self.a(x)))
+                return self.b(y + x)
+
+        model = Model().cuda().eval()
+        compiled = torch.compile(model, backend="inductor", fullgraph=True, dynamic=True)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for n in (3, 17, 64):
+                x = torch.randn(n, HIDDEN, device="cuda")
+                before = (HostLayer.calls, exchange_op.compiled_calls())
+                got = compiled(x)
+                calls = (HostLayer.calls - before[0], exchange_op.compiled_calls() - before[1])
+                want = model(x)
+                result[f"tokens_{n}"] = {
+                    "max_abs_diff_vs_eager": float((got - want).abs().max()),
+                    "op_calls": calls[1],
+                    "host_calls": calls[0],
+                }
+            result["compile_s"] = round(time.perf_counter() - t0, 2)
+            static = torch.randn(8, HIDDEN, device="cuda")
+            compiled(static)  # warm
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    out = compiled(static)
+                calls = HostLayer.calls
+                graph.replay()
+                torch.cuda.synchronize()
+                result["full_graph_capture"] = {
+                    "captured": True,
+                    "host_calls_during_replay": HostLayer.calls - calls,
+                    "replay_equals_eager": bool(torch.allclose(out, model(static), atol=1e-3)),
+                }
+            except Exception as exc:  # capture of host code may fail outright
+                result["full_graph_capture"] = {
+                    "captured": False,
+                    "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                }
+    except Exception:
+        result["error"] = traceback.format_exc()[-2000:]
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_check.json")
@@ -210,6 +289,7 @@ def main() -> int:
     report["nccl_exchange_1A1F"] = _run("exchange", 1, 1)
     report["nccl_exchange_2A1F"] = _run("exchange", 2, 1)
     report["nccl_peer_loss"] = _run("peer_loss", 1, 1)
+    report["compiled_exchange"] = compiled_exchange_probe()
     text = json.dumps(report, indent=2)
     print(text)
     with open(args.out, "w") as fh:

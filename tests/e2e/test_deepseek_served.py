@@ -73,8 +73,8 @@ def _strangers_are_refused(tmp: Path) -> Any:
     ("arch", "num_attention", "gate", "idle", "micro_batches"),
     [
         # DeepSeek-V2: with a token (in a file), and two strangers refused halfway through
-        # the prompts. The 1A1F cases run in `nox -s tests-matrix` (CI runs it too).
-        pytest.param("deepseek_v2", 1, "ffn", False, 1, marks=pytest.mark.matrix),
+        # the prompts. The 1A1F case runs in `nox -s tests-matrix` (CI runs it too); the
+        # DeepSeek-V2 1A1F gate-on-FFN served case is `afd demo` (install-smoke), compiled.
         pytest.param("deepseek_v3", 1, "attention-topk", False, 1, marks=pytest.mark.matrix),
         # 2A1F: in the matrix too; the default run serves the v3 case below through
         # `afd launch` (tests/e2e/test_launch.py, same tokens, gate, m and alias)
@@ -82,7 +82,6 @@ def _strangers_are_refused(tmp: Path) -> Any:
         pytest.param("deepseek_v3", 2, "attention-topk", False, 2, marks=pytest.mark.matrix),
     ],
     ids=[
-        "v2-1A1F-gate_ffn",
         "v3-1A1F-gate_attention",
         "v2-2A1F-gate_ffn-idle",
         # one request at a time: the busy DP rank runs it whole, every rank adds a shadow

@@ -10,9 +10,16 @@ attention ranks are connected); its ``/metrics`` and the attention server's carr
 AFD metrics of every rank. It is also the default run's 2A1F served parity case: the
 tiny DeepSeek-V3 with the gate on Attention (top-k payload) and two micro-batches, set by
 the upstream alias ``num_afd_stages`` (asked one request at a time, the busy DP rank runs
-each step whole and every rank adds a shadow micro-batch, so both send two per layer);
-greedy tokens equal native vLLM asked the same way (the matrix runs the same case
-through ``afd serve`` directly: tests/e2e/test_deepseek_served.py).
+each step whole and every rank adds a shadow micro-batch, so both send two per layer),
+in vLLM's default compile mode (``afd launch``'s default, as ``vllm serve``'s): both
+attention ranks run the compiled graph with the exchange as the ``afd::exchange`` op
+(its first call logs a line, which eager forwards never reach), the launch log shows
+the compile warm-up, and the greedy tokens equal native vLLM compiled with AFD's graph
+boundaries (``afd.opaque_ffn``: in bfloat16 plain native compiled rounds differently
+where inductor fuses across the FFN block; docs/architecture.md, "Compiled
+execution"), asked the same way. The matrix runs the eager case through ``afd serve``
+directly (tests/e2e/test_deepseek_served.py) and the compiled float32 cases against
+plain native compiled (tests/e2e/test_compiled_parity.py).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any
 
 import pytest
 from afd_processes import Launcher, assert_role_inventories, assert_same_tokens, group_pgid_members
+from afd_references import COMPILED_BOUNDARIES, singles
 
 from afd.reference import FIXED_PROMPTS
 
@@ -89,11 +97,17 @@ def metric_values(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], flo
 PROMPTS = list(FIXED_PROMPTS[:8])
 
 
+#: Compiled: vLLM's compile warm-up of a native reference and of two attention ranks
+#: (about a minute each the first time) on top of the usual start-ups.
+COMPILED_TIMEOUT_S = 1200
+
+
+@pytest.mark.timeout(COMPILED_TIMEOUT_S)
 def test_2a1f_serves_and_stops_on_sigterm(
     tiny_models: dict[str, Path], native_references: Any, tmp_path: Path
 ) -> None:
     model = tiny_models["deepseek_v3"]
-    _, native = native_references.served_and_batched(model, FIXED_PROMPTS, PROMPTS)
+    native = native_references.tokens(model, singles(PROMPTS), llm_kwargs=COMPILED_BOUNDARIES)
     spec = tmp_path / "2a1f.toml"
     spec.write_text(
         f'model = "{model}"\nnum_attention = 2\nnum_ffn = 1\n'
@@ -160,6 +174,12 @@ def test_2a1f_serves_and_stops_on_sigterm(
         ffn_log = "\n".join(ln for ln in out if ln.startswith("[ffn0]"))
         assert_role_inventories(attention_log, ffn_log, gate_on_attention=True)
         assert "ping-pong micro-batching with 2 micro-batches" in attention_log
+        # Compiled, visibly: the launcher reported the warm-up, and both ranks' compiled
+        # graphs called the exchange op.
+        from afd_moe_runners.exchange_op import COMPILED_LOG
+
+        assert re.search(r"^\[afd\] attn: compile warm-up started", launcher.output, re.M)
+        assert attention_log.count(COMPILED_LOG) == 2, attention_log[-3000:]
         assert stopped_s < 10.0, f"teardown took {stopped_s:.1f} s"
         assert group_pgid_members([*pgids.values(), launcher.proc.pid]) == []
     finally:

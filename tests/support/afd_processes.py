@@ -101,7 +101,11 @@ class FFNServer(RoleProcess):
         tmp: Path,
         *extra: str,
         env: dict[str, str] | None = None,
+        eager: bool = True,
     ) -> None:
+        """``eager=False``: the engine settings of a compiled deployment (the FFN role
+        computes its blocks eagerly either way, but with the custom-op choices of
+        vLLM's compile mode, as its compiled Attention peer and native vLLM do)."""
         cmd = [
             sys.executable,
             "-m",
@@ -110,7 +114,7 @@ class FFNServer(RoleProcess):
             "--role",
             "ffn",
             str(model),
-            *ENGINE_ARGS,
+            *(ENGINE_ARGS if eager else [a for a in ENGINE_ARGS if a != "--enforce-eager"]),
             "--max-model-len",
             "512",
             "--additional-config",
@@ -372,17 +376,21 @@ def run_offline_afd(
     *,
     prompts: list[str] | None = None,
     dtype: str | None = None,
+    compiled: bool = False,
 ) -> tuple[dict[str, Any], str]:
     """1 FFN server + the Attention role as a ``vllm.LLM`` engine generating the fixed
     prompts (or ``prompts``) in one batch. Returns (result, FFN log); the FFN must leave
     on its own (0). With ``afd["num_micro_batches"]`` > 1 the Attention role gets the AFD
-    worker, as ``afd serve`` gives it."""
+    worker, as ``afd serve`` gives it. ``compiled``: the Attention role in vLLM's default
+    compile mode (else eager)."""
     ffn_extra = ["--dtype", dtype] if dtype else []
-    ffn = FFNServer(model, {**afd, "role": "ffn"}, tmp, *ffn_extra)
+    ffn = FFNServer(model, {**afd, "role": "ffn"}, tmp, *ffn_extra, eager=not compiled)
     llm_kwargs: dict[str, Any] = {
         "hf_overrides": {"architectures": [alias]},
         "additional_config": {"afd": {**afd, "role": "attention"}},
     }
+    if compiled:
+        llm_kwargs["enforce_eager"] = False
     if int(afd.get("num_micro_batches", 1)) > 1:
         llm_kwargs["worker_cls"] = "afd.worker.AFDCPUWorker"
     try:

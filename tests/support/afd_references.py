@@ -110,6 +110,13 @@ def reference_key(
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
 
+#: A pseudo engine argument of ``llm_kwargs``: native vLLM with AFD's graph boundaries
+#: (``python -m afd.reference --ffn-behind-op``, :mod:`afd.opaque_ffn`).
+FFN_BEHIND_OP = "afd_ffn_behind_op"
+#: Native vLLM in its default compile mode, and the same with AFD's graph boundaries.
+COMPILED = {"enforce_eager": False}
+COMPILED_BOUNDARIES = {"enforce_eager": False, FFN_BEHIND_OP: True}
+
 Runner = Callable[[Path, list[Group], str, int, dict[str, Any]], list[list[list[int]]]]
 
 
@@ -129,11 +136,14 @@ def run_native_groups(
         sys.executable, "-m", "afd.reference", str(model), "--json", str(out),
         "--groups-file", str(groups_file), "--dtype", dtype, "--max-tokens", str(max_tokens),
     ]  # fmt: skip
+    llm_kwargs = dict(llm_kwargs)
+    if llm_kwargs.pop(FFN_BEHIND_OP, False):
+        cmd.append("--ffn-behind-op")
     if llm_kwargs:
         cmd += ["--llm-kwargs", json.dumps(llm_kwargs)]
     proc = subprocess.run(
         cmd, capture_output=True, text=True, env=role_env(work, role_devices(None, "attn")),
-        timeout=240, check=False,
+        timeout=600, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, (
         f"native reference failed ({model.name}):\n{proc.stdout[-2000:]}{proc.stderr[-5000:]}"

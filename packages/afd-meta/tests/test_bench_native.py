@@ -249,7 +249,7 @@ def test_repeats_alternate_the_order_and_report_medians_and_each_ratio(
     _fake_runs(monkeypatch, fake_deployment, fake_level)
     out = tmp_path / "out"
     argv = ["--model", str(tmp_path), "--concurrency", "8", "--out", str(out), "--no-plot"]
-    argv += ["--native-configs", "auto", "--micro-batches", "1,2"]
+    argv += ["--native-configs", "auto", "--micro-batches", "1,2", "--native-modes", "compiled"]
     assert bench.run_bench(_bench_args([*argv, "--repeat", "3"])) == 0
     assert order == ["native", "m1", "m2", "m2", "m1", "native", "native", "m1", "m2"]
     report = json.loads((out / "bench.json").read_text())
@@ -295,3 +295,53 @@ def test_demo_cpus_flags_and_native_gets_every_cpu() -> None:
     dep = Deployment(native, visible_devices=[], usable_cpus=[0, 1])
     assert dep.plan_cpus() == {"native0": "0-1"}
     assert demo_spec("/m", ap.parse_args([])).attention.cpus is None
+
+
+def test_native_and_afd_compile_modes_and_both_ratios(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Native runs compiled and eager by default (the reference is the fastest of all);
+    AFD's first mode is its result; the report gives AFD's ratio against the best native
+    run and against the best eager one."""
+    tok_s = {("native", False): 1000.0, ("native", True): 600.0}
+    tok_s |= {("afd", False): 500.0, ("afd", True): 300.0}
+    current: list[DeploymentSpec] = []
+
+    def fake_deployment(spec: DeploymentSpec, **kw: Any) -> _FakeDeployment:
+        current.append(spec)
+        return _FakeDeployment(spec, **kw)
+
+    def fake_level(url: str, prompts: Any, c: int, n: int, out_len: int, **kw: Any) -> dict:
+        spec = current[-1]
+        return _lv(tok_s[("native" if spec.native else "afd", spec.enforce_eager)])
+
+    _fake_runs(monkeypatch, fake_deployment, fake_level)
+    out = tmp_path / "out"
+    argv = ["--model", str(tmp_path), "--concurrency", "16", "--out", str(out), "--no-plot"]
+    argv += ["--native-configs", "auto", "--afd-modes", "compiled,eager"]
+    assert bench.run_bench(_bench_args(argv)) == 0
+    started = [(s.native, s.enforce_eager) for s in current]
+    assert started == [(True, False), (True, True), (False, False), (False, True)]
+    report = json.loads((out / "bench.json").read_text())
+    assert report["settings"]["native_modes"] == ["compiled", "eager"]
+    assert report["native_reference"] == {"16": "auto"}  # compiled: the faster one
+    assert report["native_configs"]["auto/eager"]["cpus"] == "auto"
+    assert report["results"]["afd"]["16"]["output_tok_s"] == 500.0  # compiled AFD
+    assert report["ratio_afd_over_native"]["16"]["output_tok_s"] == 0.5
+    assert report["ratio_afd_over_native_eager"]["16"]["output_tok_s"] == round(500 / 600, 3)
+    assert report["startup_ratio_afd_over_native_compiled"] == 1.0  # the fakes: 1 s each
+    eager = report["afd_modes"]["eager"]
+    assert eager["results"]["16"]["output_tok_s"] == 300.0
+    assert eager["ratio_over_native"]["16"]["output_tok_s"] == 0.3
+    assert eager["ratio_over_native_eager"]["16"]["output_tok_s"] == 0.5
+    table = capsys.readouterr().out
+    assert "native auto/eager tok/s" in table and "afd eager tok/s" in table
+    assert "AFD/native-eager tok/s" in table
+    # AFD eager first: it is AFD's result
+    current.clear()
+    argv[-1] = "eager,compiled"
+    assert bench.run_bench(_bench_args(argv)) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["results"]["afd"]["16"]["output_tok_s"] == 300.0
+    assert bench.run_bench(_bench_args([*argv[:-2], "--afd-modes", "fast"])) == 2
+    assert bench.run_bench(_bench_args([*argv, "--native-modes", "eager,eager"])) == 2

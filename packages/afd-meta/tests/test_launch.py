@@ -42,7 +42,9 @@ def test_defaults_are_tiny_cpu_friendly() -> None:
     assert spec.kv_cache_memory_bytes == 64 * 1024 * 1024
     assert spec.gpu_memory_utilization == 0.1
     args = spec.engine_args()
-    assert "--enforce-eager" in args
+    # vLLM's default compile mode, as `vllm serve` (issue 29); eager on request.
+    assert "--enforce-eager" not in args and not spec.enforce_eager
+    assert "--enforce-eager" in spec.replace(enforce_eager=True).engine_args()
     assert args[args.index("--dtype") + 1] == "bfloat16"
 
 

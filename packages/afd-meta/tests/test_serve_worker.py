@@ -42,3 +42,28 @@ def test_micro_batches_of_reads_the_attention_role_only() -> None:
     assert micro_batches_of(cfg({"role": "attention", "num_micro_batches": 3})) == 3
     assert micro_batches_of(cfg({"role": "ffn", "num_micro_batches": 3})) == 1
     assert micro_batches_of(SimpleNamespace(additional_config={})) == 1
+
+
+def test_compiled_attention_on_cuda_gets_piecewise_graphs_unless_configured() -> None:
+    import json
+
+    from afd.serve import CUDA_ATTENTION_COMPILATION, attention_graph_args
+
+    argv = ["--model", "/m", "--additional-config", json.dumps({"afd": {"role": "attention"}})]
+    assert attention_graph_args(argv, cuda=True) == [
+        "--compilation-config",
+        json.dumps(CUDA_ATTENTION_COMPILATION),
+    ]
+    assert CUDA_ATTENTION_COMPILATION == {"cudagraph_mode": "PIECEWISE"}
+    # CPU: vLLM's default compile mode has no CUDA graphs; nothing to add.
+    assert attention_graph_args(argv, cuda=False) == []
+    # Eager, or a compilation config of the user's own (any spelling): left alone.
+    for extra in (
+        ["--enforce-eager"],
+        ["--compilation-config", "{}"],
+        ['--compilation-config={"mode": 0}'],
+        ["-cc", "{}"],
+        ["-cc.cudagraph_mode=NONE"],
+        ["-O3"],
+    ):
+        assert attention_graph_args([*argv, *extra], cuda=True) == [], extra

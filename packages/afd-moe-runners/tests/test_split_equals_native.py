@@ -163,3 +163,51 @@ def test_micro_batch_yield_runs_once_between_send_and_receive(blocks: Blocks) ->
     finally:
         twin.experts.micro_batch_yield = original
     assert calls == [(LAYER_IDX, 1)]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("family", ["deepseek", "qwen3"])
+def test_compiled_twin_keeps_the_exchange_as_one_op_and_equals_native(
+    blocks: Blocks, family: str, placement: str
+) -> None:
+    """Dynamo traces the Attention-side block in one graph (``fullgraph``: a graph break
+    fails) with the exchange as the opaque ``afd::exchange`` op; the compiled twin still
+    computes the native block's output exactly, and its runs go through the op."""
+    import torch
+
+    from afd_moe_runners import exchange_op
+
+    native, ffn_compute, _ = blocks.native(family, "float32")
+    twin = blocks.twin(family, "float32", placement)
+    graphs: list[Any] = []
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, backend=backend, fullgraph=True, dynamic=True)
+    for num_tokens in (5, 9):  # one trace serves both sizes
+        x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(num_tokens))
+        before = exchange_op.compiled_calls()
+        actual = blocks.env.split_forward(compiled, ffn_compute, x)
+        assert exchange_op.compiled_calls() == before + 1
+        assert torch.equal(actual, blocks.env.native_forward(native, x))
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets.count("afd.exchange") == 1, targets
+
+
+def test_eager_forward_does_not_go_through_the_op(blocks: Blocks) -> None:
+    import torch
+
+    from afd_moe_runners import exchange_op
+
+    native, ffn_compute, _ = blocks.native("qwen3", "float32")
+    twin = blocks.twin("qwen3", "float32", "gate_on_ffn")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    before = exchange_op.compiled_calls()
+    assert torch.equal(
+        blocks.env.split_forward(twin, ffn_compute, x), blocks.env.native_forward(native, x)
+    )
+    assert exchange_op.compiled_calls() == before

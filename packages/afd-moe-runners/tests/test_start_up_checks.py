@@ -76,53 +76,83 @@ def test_an_unknown_connector_fails_at_the_model_build() -> None:
 # ------------------------------------------------------------- compile mode / CUDA graphs
 
 
-def engine(*, eager: bool, mode: Any, graphs: Any, role: str = "attention") -> Any:
+def engine(
+    *, eager: bool, mode: Any, graphs: Any, role: str = "attention", splitting_ops: Any = None
+) -> Any:
     config = vllm_config("LoopbackAFDConnector", enable_dbo=False)
     config.additional_config["afd"]["role"] = role
     config.model_config = SimpleNamespace(enforce_eager=eager)
-    config.compilation_config = SimpleNamespace(mode=mode, cudagraph_mode=graphs)
+    config.compilation_config = SimpleNamespace(
+        mode=mode, cudagraph_mode=graphs, splitting_ops=splitting_ops
+    )
     return config
 
 
-def test_compiled_attention_role_is_refused_on_cuda_naming_enforce_eager() -> None:
+def test_graph_mode_decision_per_platform_and_mode() -> None:
+    """The matrix of docs/architecture.md ("Compiled execution"): compile everywhere,
+    piecewise CUDA graphs split at the exchange op, full CUDA graphs refused naming the
+    mode to use, Ascend left to its connectors."""
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
+    from afd_moe_runners.exchange_op import SPLITTING_OP
     from afd_moe_runners.role_model import compiled_graph_problem
 
-    # What vLLM 0.32 configures for a plain `vllm serve` on CUDA.
-    cuda_default = engine(
-        eager=False, mode=CompilationMode.VLLM_COMPILE, graphs=CUDAGraphMode.FULL_AND_PIECEWISE
+    # vLLM 0.32's CPU default: Dynamo traced once, inductor, no CUDA graphs.
+    cpu_default = engine(
+        eager=False, mode=CompilationMode.DYNAMO_TRACE_ONCE, graphs=CUDAGraphMode.NONE
     )
-    problem = compiled_graph_problem(cuda_default, "cuda", "AFDDeepseekV2ForCausalLM")
-    assert problem is not None
-    assert "--enforce-eager" in problem and "AFDDeepseekV2ForCausalLM" in problem
-    assert "VLLM_COMPILE" in problem and "FULL_AND_PIECEWISE" in problem
-    # CUDA graphs alone are refused too.
-    graphs_only = engine(eager=False, mode=CompilationMode.NONE, graphs=CUDAGraphMode.PIECEWISE)
-    assert "CUDA graph mode PIECEWISE" in (compiled_graph_problem(graphs_only, "cuda", "M") or "")
-    # Eager engines pass on every platform; platforms afd does not judge pass.
-    eager = engine(eager=True, mode=CompilationMode.NONE, graphs=CUDAGraphMode.NONE)
-    for platform in ("cuda", "cpu", "rocm"):
+    for platform in ("cpu", "cuda", "rocm", "npu"):
+        assert compiled_graph_problem(cpu_default, platform, "M") is None
+    assert cpu_default.compilation_config.splitting_ops is None  # untouched without graphs
+
+    # What vLLM 0.32 configures for a plain `vllm serve` on CUDA: FULL_AND_PIECEWISE.
+    for full in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
+        cuda = engine(
+            eager=False, mode=CompilationMode.VLLM_COMPILE, graphs=getattr(CUDAGraphMode, full)
+        )
+        for platform in ("cuda", "rocm"):
+            problem = compiled_graph_problem(cuda, platform, "AFDDeepseekV2ForCausalLM")
+            assert problem is not None, (full, platform)
+            assert f"CUDA graph mode {full} " in problem and "AFDDeepseekV2ForCausalLM" in problem
+            assert '"cudagraph_mode": "PIECEWISE"' in problem and "--enforce-eager" in problem
+        # Ascend's graph modes are its connectors' decision.
+        assert compiled_graph_problem(cuda, "npu", "M") is None
+
+    # Piecewise graphs: accepted, split at the exchange op (added once, vLLM's own kept).
+    piecewise = engine(
+        eager=False,
+        mode=CompilationMode.VLLM_COMPILE,
+        graphs=CUDAGraphMode.PIECEWISE,
+        splitting_ops=["vllm::unified_attention"],
+    )
+    assert compiled_graph_problem(piecewise, "cuda", "M") is None
+    assert piecewise.compilation_config.splitting_ops == ["vllm::unified_attention", SPLITTING_OP]
+    assert compiled_graph_problem(piecewise, "cuda", "M") is None
+    assert piecewise.compilation_config.splitting_ops.count(SPLITTING_OP) == 1
+
+    # Eager engines pass on every platform, whatever their graph settings say.
+    eager = engine(eager=True, mode=CompilationMode.NONE, graphs=CUDAGraphMode.FULL)
+    for platform in ("cuda", "cpu", "rocm", "npu"):
         assert compiled_graph_problem(eager, platform, "M") is None
-    assert compiled_graph_problem(cuda_default, "npu", "M") is None
 
 
-def test_compiled_attention_role_is_refused_at_the_model_build(monkeypatch) -> None:
+def test_full_cuda_graphs_are_refused_at_the_model_build(monkeypatch) -> None:
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
     from afd_moe_runners import role_model
 
-    # vLLM's CPU platform compiles with Dynamo by default (measured: the AFD runner then
-    # fails in vLLM's warm-up with "Unsupported context manager").
-    cpu_default = engine(
-        eager=False, mode=CompilationMode.DYNAMO_TRACE_ONCE, graphs=CUDAGraphMode.NONE
+    cuda_default = engine(
+        eager=False, mode=CompilationMode.VLLM_COMPILE, graphs=CUDAGraphMode.FULL_AND_PIECEWISE
     )
-    with pytest.raises(AFDConfigError, match="--enforce-eager"):
-        check_supported_parallelism(cpu_default, "AFDTestModel")
-    # The platform comes from vLLM's current platform; stubbed to CUDA it is refused too.
+    # The platform comes from vLLM's current platform: on CPU (no graphs) it passes...
+    check_supported_parallelism(
+        engine(eager=False, mode=CompilationMode.DYNAMO_TRACE_ONCE, graphs=CUDAGraphMode.NONE),
+        "AFDTestModel",
+    )
+    # ... stubbed to CUDA, full graphs are refused.
     monkeypatch.setattr(role_model, "_current_device_type", lambda: "cuda")
-    with pytest.raises(AFDConfigError, match="on cuda"):
-        check_supported_parallelism(cpu_default, "AFDTestModel")
+    with pytest.raises(AFDConfigError, match="PIECEWISE"):
+        check_supported_parallelism(cuda_default, "AFDTestModel")
     # The FFN role runs no compiled model forward: not refused.
     check_supported_parallelism(
         engine(

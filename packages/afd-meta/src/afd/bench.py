@@ -13,8 +13,14 @@ AFD/native ratio. Results go to ``<out>/bench.json`` and ``<out>/bench.png``.
 Cores: on a CPU host the launcher gives the AFD roles their own cores (see
 :func:`afd.launch.split_cpus`). The native baseline runs once per ``--native-configs``
 entry: ``all-cores`` (``VLLM_CPU_OMP_THREADS_BIND`` = every usable CPU) and ``auto``
-(vLLM's default binding); at each concurrency level the faster one (higher output
-tok/s) is the reference of the AFD/native ratios (:func:`pick_native_reference`).
+(vLLM's default binding), and per ``--native-modes`` entry: ``compiled`` (vLLM's
+default compile mode) and ``eager`` (``--enforce-eager``; config names end in
+``/eager``); at each concurrency level the fastest of them (higher output tok/s) is
+the reference of the AFD/native ratios (:func:`pick_native_reference`). AFD runs in
+each ``--afd-modes`` entry (default ``compiled``); the first one is AFD's result. The
+report also gives AFD's ratio against the best *eager* native run
+(``ratio_afd_over_native_eager``), the baseline of the ratios published before AFD
+ran compiled.
 """
 
 from __future__ import annotations
@@ -63,6 +69,9 @@ __all__ = [
 MODES = ("native", "afd")
 NATIVE_CONFIGS = ("all-cores", "auto")
 """Native baselines: bound to every usable CPU, and vLLM's default binding."""
+COMPILE_MODES = ("compiled", "eager")
+"""vLLM's default compile mode, and ``--enforce-eager``."""
+EAGER_SUFFIX = "/eager"
 
 
 @dataclass
@@ -195,7 +204,9 @@ def _r(x: float) -> float | None:
 
 def native_config_cpus(config: str, cpus: Sequence[int]) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` of a native config: ``all-cores`` -> every CPU of
-    ``cpus`` (``"0-N"``), ``auto`` -> ``"auto"`` (vLLM's default binding)."""
+    ``cpus`` (``"0-N"``), ``auto`` -> ``"auto"`` (vLLM's default binding); an eager
+    config (``auto/eager``) binds as its compiled twin."""
+    config = config.removesuffix(EAGER_SUFFIX)
     if config == "all-cores":
         return format_cpu_list(cpus)
     if config == "auto":
@@ -364,6 +375,19 @@ def add_bench_arguments(ap: Any) -> None:
         "VLLM_CPU_OMP_THREADS_BIND on every usable CPU, auto = vLLM's default binding; "
         "per concurrency level the faster one is the reference",
     )
+    ap.add_argument(
+        "--native-modes",
+        default=",".join(COMPILE_MODES),
+        help="compile modes of the native baselines (default compiled,eager): compiled = "
+        "vLLM's default compile mode, eager = --enforce-eager; the fastest native run per "
+        "level is the reference",
+    )
+    ap.add_argument(
+        "--afd-modes",
+        default="compiled",
+        help="compile modes of the AFD deployment (default compiled; compiled,eager also "
+        "measures AFD eager); the first one is AFD's result",
+    )
     ap.add_argument("--gate-on-attention", action="store_true")
     ap.add_argument(
         "--connector",
@@ -428,6 +452,8 @@ def run_bench(args: Any) -> int:
             raise ValueError(f"--repeat must be >= 1, got {repeat}")
         if repeat > 1 and getattr(args, "profile", False):
             raise ValueError("--profile records one run of each deployment; use --repeat 1")
+        native_modes = _parse_modes("--native-modes", getattr(args, "native_modes", "compiled"))
+        afd_modes = _parse_modes("--afd-modes", getattr(args, "afd_modes", "compiled"))
         native_configs = [c.strip() for c in str(args.native_configs).split(",") if c.strip()]
         bad = [c for c in native_configs if c not in NATIVE_CONFIGS]
         if "native" in modes and (bad or not native_configs):
@@ -452,7 +478,7 @@ def run_bench(args: Any) -> int:
             model=str(model),
             max_model_len=args.max_model_len,
             compute_gate_on_attention=bool(args.gate_on_attention),
-            startup_timeout_s=300.0,
+            startup_timeout_s=600.0,
             afd={
                 **({"connector": args.connector} if args.connector else {}),
                 **(
@@ -471,7 +497,15 @@ def run_bench(args: Any) -> int:
     if "native" in modes and len(native_configs) > 1 and detect_cuda_devices():
         say("CUDA host: one native run with vLLM's default CPU binding")
         native_configs = ["auto"]
-    runs = _plan_runs(base, modes, native_configs, cpus, micro_batches)
+    runs = _plan_runs(
+        base,
+        modes,
+        native_configs,
+        cpus,
+        micro_batches,
+        native_modes=native_modes if "native" in modes else (),
+        afd_modes=afd_modes,
+    )
     say(f"connector: {base.connector}; usable CPUs: {format_cpu_list(cpus)}")
     prompts = list(FIXED_PROMPTS)
     per_level = {c: (args.requests or max(8, 4 * c)) for c in levels}
@@ -508,14 +542,17 @@ def run_bench(args: Any) -> int:
                 )
                 is_afd = run.startswith("afd")
                 m = int(spec.afd.get("num_micro_batches", 1))
-                if is_afd and profile_dir is not None:
+                # the profile records the runs of AFD's first compile mode
+                profiled = is_afd and spec.enforce_eager == (afd_modes[0] == "eager")
+                if profiled and profile_dir is not None:
                     where = _profile_dir_of(profile_dir, m, micro_batches)
                     where.mkdir(parents=True, exist_ok=True)
                     spec = spec.replace(env={**spec.env, PROFILE_DIR_ENV: str(where)})
+                compile_mode = "eager" if spec.enforce_eager else "compiled"
                 what = (
-                    f"1A1F, {m} micro-batch{'es' if m > 1 else ''}"
+                    f"1A1F, {m} micro-batch{'es' if m > 1 else ''}, {compile_mode}"
                     if is_afd
-                    else f"plain vLLM, CPUs {run.split('/')[1]}"
+                    else f"plain vLLM, CPUs {run.split('/')[1]}, {compile_mode}"
                 )
                 say(
                     f"starting {run} ({what})"
@@ -542,7 +579,7 @@ def run_bench(args: Any) -> int:
                                 args.output_len,
                                 on_done=lambda: bar.update(1),
                             )
-                            if is_afd:
+                            if profiled:
                                 windows.setdefault(m, {})[str(c)] = (started_ns, time.time_ns())
                     by_run.setdefault(run, []).append(res)
         except DeploymentError as exc:
@@ -554,26 +591,44 @@ def run_bench(args: Any) -> int:
             say(f"interrupted ({exc}); stopped")
             return 130
 
+    # AFD runs per compile mode, by m; the first mode's are AFD's result.
+    afd_by_mode: dict[str, dict[int, dict[str, Any]]] = {}
     for run, spec in runs:
         if run not in by_run:
             continue
         res = median_levels(by_run[run], levels)
         if run.startswith("afd"):
-            afd_runs[int(spec.afd.get("num_micro_batches", 1))] = res
+            mode = "eager" if spec.enforce_eager else "compiled"
+            afd_by_mode.setdefault(mode, {})[int(spec.afd.get("num_micro_batches", 1))] = res
         else:
             native_runs[run.split("/", 1)[1]] = res
     native_reference: dict[str, str] = {}
+    native_eager: dict[str, Any] = {}
     if native_runs:
         native_results, native_reference = pick_native_reference(native_runs, levels)
         results["native"] = native_results
         startup["native"] = next(v for k, v in startup.items() if k.startswith("native/"))
+        eager_runs = {k: v for k, v in native_runs.items() if k.endswith(EAGER_SUFFIX)}
+        if eager_runs:
+            native_eager, _ = pick_native_reference(eager_runs, levels)
     afd_best: dict[str, str] = {}
-    if afd_runs:
-        results["afd"], afd_best = pick_native_reference(
-            {str(m): res for m, res in afd_runs.items()}, levels, key="num_micro_batches"
+    afd_modes_report: dict[str, Any] = {}
+    for mode, by_m in afd_by_mode.items():
+        best, best_m = pick_native_reference(
+            {str(m): res for m, res in by_m.items()}, levels, key="num_micro_batches"
         )
-        for lv in results["afd"].values():
+        for lv in best.values():
             lv["num_micro_batches"] = int(lv["num_micro_batches"])
+        afd_modes_report[mode] = {
+            "results": best,
+            "ratio_over_native": _ratios({**results, "afd": best}, levels),
+            "ratio_over_native_eager": _ratios({"native": native_eager, "afd": best}, levels)
+            if native_eager
+            else {},
+        }
+        if mode == afd_modes[0] or "afd" not in results:
+            results["afd"], afd_best, afd_runs = best, best_m, by_m
+    if afd_runs:
         startup["afd"] = next(v for k, v in startup.items() if k.startswith("afd"))
     report = {
         "settings": {
@@ -585,7 +640,8 @@ def run_bench(args: Any) -> int:
             "dtype": base.dtype,
             "max_model_len": base.max_model_len,
             "kv_cache_memory_bytes": base.kv_cache_memory_bytes,
-            "enforce_eager": base.enforce_eager,
+            "native_modes": list(native_modes) if "native" in modes else [],
+            "afd_modes": list(afd_modes) if "afd" in modes else [],
             "compute_gate_on_attention": base.compute_gate_on_attention,
             "connector": base.connector,
             "num_micro_batches": micro_batches,
@@ -603,6 +659,7 @@ def run_bench(args: Any) -> int:
             "python": platform.python_version(),
         },
         "startup_s": startup,
+        "startup_ratio_afd_over_native_compiled": _startup_ratio(startup),
         "results": results,
         "native_configs": {
             name: {
@@ -614,6 +671,10 @@ def run_bench(args: Any) -> int:
         },
         "native_reference": native_reference,
         "ratio_afd_over_native": _ratios(results, levels),
+        "ratio_afd_over_native_eager": _ratios({"native": native_eager, **_afd(results)}, levels)
+        if native_eager
+        else {},
+        "afd_modes": afd_modes_report,
         "afd_micro_batches": {
             str(m): {
                 "startup_s": startup.get(_afd_run_name(m, micro_batches)),
@@ -654,6 +715,27 @@ def run_bench(args: Any) -> int:
     return 1 if failed else 0
 
 
+def _startup_ratio(startup: dict[str, float]) -> float | None:
+    """AFD's (compiled) start-up over the fastest native compiled start-up of the run."""
+    native = [v for k, v in startup.items() if k.startswith("native/") and "/eager" not in k]
+    afd = [v for k, v in startup.items() if k.startswith("afd") and not k.endswith("/eager")]
+    if not native or not afd or not min(native):
+        return None
+    return round(afd[0] / min(native), 2)
+
+
+def _afd(results: dict[str, Any]) -> dict[str, Any]:
+    return {"afd": results["afd"]} if "afd" in results else {}
+
+
+def _parse_modes(flag: str, value: str) -> list[str]:
+    """``--native-modes`` / ``--afd-modes``: some of :data:`COMPILE_MODES`, no repeats."""
+    out = [m.strip() for m in str(value).split(",") if m.strip()]
+    if not out or any(m not in COMPILE_MODES for m in out) or len(set(out)) != len(out):
+        raise ValueError(f"{flag}: expected some of {', '.join(COMPILE_MODES)}, got {value!r}")
+    return out
+
+
 def parse_micro_batches(value: str | int) -> list[int]:
     """``--micro-batches``: ``"2"`` -> ``[2]``, ``"1,2,3"`` -> ``[1, 2, 3]`` (each >= 1,
     no repeats, order kept)."""
@@ -680,22 +762,33 @@ def _plan_runs(
     native_configs: Sequence[str],
     cpus: Sequence[int],
     micro_batches: Sequence[int] = (1,),
+    *,
+    native_modes: Sequence[str] = ("compiled",),
+    afd_modes: Sequence[str] = ("compiled",),
 ) -> list[tuple[str, DeploymentSpec]]:
-    """(run name, spec) in order: ``native/<config>`` per native config, then ``afd``
-    (one run, ``afd/m<M>`` for each M when several ``micro_batches`` are measured).
+    """(run name, spec) in order: ``native/<config>`` per native config and compile mode
+    (``native/<config>/eager`` for eager), then ``afd`` (one run, ``afd/m<M>`` for each M
+    when several ``micro_batches`` are measured; ``.../eager`` for eager) per AFD mode.
     A native run's CPUs come from its config only (not from ``--attention-cpus``)."""
     runs = []
     for mode in modes:
         if mode == "afd":
-            for m in micro_batches:
-                afd = {k: v for k, v in base.afd.items() if k != "num_micro_batches"}
-                if m > 1:
-                    afd["num_micro_batches"] = m
-                runs.append((_afd_run_name(m, micro_batches), base.replace(afd=afd)))
+            for compile_mode in afd_modes:
+                eager = compile_mode == "eager"
+                for m in micro_batches:
+                    afd = {k: v for k, v in base.afd.items() if k != "num_micro_batches"}
+                    if m > 1:
+                        afd["num_micro_batches"] = m
+                    name = _afd_run_name(m, micro_batches) + (EAGER_SUFFIX if eager else "")
+                    runs.append((name, base.replace(afd=afd, enforce_eager=eager)))
             continue
-        for config in native_configs:
-            attention = RoleOverrides(cpus=native_config_cpus(config, cpus))
-            runs.append((f"native/{config}", base.replace(native=True, attention=attention)))
+        for compile_mode in native_modes:
+            eager = compile_mode == "eager"
+            for config in native_configs:
+                attention = RoleOverrides(cpus=native_config_cpus(config, cpus))
+                name = f"native/{config}" + (EAGER_SUFFIX if eager else "")
+                spec = base.replace(native=True, attention=attention, enforce_eager=eager)
+                runs.append((name, spec))
     return runs
 
 
@@ -723,6 +816,13 @@ def format_table(report: dict[str, Any]) -> str:
     configs = report.get("native_configs") or {}
     reference = report.get("native_reference") or {}
     by_m = report.get("afd_micro_batches") or {}
+    eager_ratio = report.get("ratio_afd_over_native_eager") or {}
+    primary = (report.get("settings", {}).get("afd_modes") or ["compiled"])[0]
+    other_afd = {
+        mode: run["results"]
+        for mode, run in (report.get("afd_modes") or {}).items()
+        if mode != primary
+    }
     modes = [m for m in MODES if m in res]
     head = ["conc"]
     if "native" in modes and len(configs) > 1:
@@ -734,8 +834,11 @@ def format_table(report: dict[str, Any]) -> str:
         head.append("best m")
     for m in modes:
         head += [f"{m} tok/s", f"{m} TTFT ms p50/p99", f"{m} TPOT ms p50/p99"]
+    head += [f"afd {mode} tok/s" for mode in other_afd]
     if ratio:
         head += ["AFD/native tok/s", "TPOT ratio"]
+    if eager_ratio:
+        head.append("AFD/native-eager tok/s")
     rows = [head]
     for c in report["settings"]["concurrency"]:
         row = [str(c)]
@@ -757,8 +860,11 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{_f(lv['ttft_ms']['median'])}/{_f(lv['ttft_ms']['p99'])}",
                 f"{_f(lv['tpot_ms']['median'])}/{_f(lv['tpot_ms']['p99'])}",
             ]
+        row += [f"{other[str(c)]['output_tok_s']:.1f}" for other in other_afd.values()]
         if ratio:
             row += [_f(ratio[str(c)]["output_tok_s"], 2), _f(ratio[str(c)]["tpot_median"], 2)]
+        if eager_ratio:
+            row.append(_f(eager_ratio[str(c)]["output_tok_s"], 2))
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]

@@ -152,6 +152,12 @@ def add_demo_arguments(ap: Any) -> None:
         action="store_true",
         help="compute the MoE gate on the attention role",
     )
+    ap.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run both deployments eager (vLLM's --enforce-eager); default: vLLM's default "
+        "compile mode, the first start compiles for about a minute",
+    )
     ap.add_argument("--log-dir", help="keep the role logs here (default: a temporary folder)")
     ap.add_argument("--verbose", action="store_true", help="stream the role logs to the console")
     ap.add_argument(
@@ -267,8 +273,9 @@ def demo_spec(model: str | os.PathLike[str], args: Any) -> DeploymentSpec:
         model=str(model),
         max_model_len=256,
         compute_gate_on_attention=bool(args.gate_on_attention),
+        enforce_eager=bool(getattr(args, "enforce_eager", False)),
         log_dir=args.log_dir,
-        startup_timeout_s=300.0,
+        startup_timeout_s=600.0,
         attention={"cpus": getattr(args, "attention_cpus", None)},
         ffn={"cpus": getattr(args, "ffn_cpus", None)},
     )

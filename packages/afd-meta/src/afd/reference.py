@@ -272,6 +272,13 @@ def _main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--llm-kwargs", default=None, help="JSON object of extra vllm.LLM keyword arguments"
     )
+    ap.add_argument(
+        "--ffn-behind-op",
+        action="store_true",
+        help="native vLLM with AFD's graph boundaries: every decoder layer's FFN block "
+        "computed eagerly behind the exchange op (afd.opaque_ffn), for compiled-mode "
+        "experiments (pass enforce_eager=false in --llm-kwargs)",
+    )
     args = ap.parse_args(argv)
     if args.groups_file and args.prompts_file:
         ap.error("--groups-file and --prompts-file exclude each other")
@@ -282,6 +289,16 @@ def _main(argv: Sequence[str] | None = None) -> int:
         else list(FIXED_PROMPTS)
     )
     groups = json.loads(args.groups_file.read_text()) if args.groups_file else [prompts]
+    extra = json.loads(args.llm_kwargs) if args.llm_kwargs else {}
+    if args.ffn_behind_op:
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            ap.error("--ffn-behind-op registers a model in this process: in-process engine only")
+        from afd.opaque_ffn import opaque_architecture
+
+        prepare_vllm_env()
+        config = json.loads((args.model_dir / "config.json").read_text())
+        arch = opaque_architecture(str(config["architectures"][0]))
+        extra["hf_overrides"] = {**extra.get("hf_overrides", {}), "architectures": [arch]}
     results = native_greedy_groups(
         args.model_dir,
         groups,
@@ -289,7 +306,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        extra_llm_kwargs=json.loads(args.llm_kwargs) if args.llm_kwargs else None,
+        extra_llm_kwargs=extra or None,
     )
     out: dict[str, Any] = (
         {"groups": [r.to_json() for r in results]} if args.groups_file else results[0].to_json()

@@ -141,9 +141,31 @@ def attention_worker_args(argv: list[str], *, cuda: bool | None = None) -> list[
     return ["--worker-cls", AFD_WORKERS["cuda" if cuda else "cpu"]]
 
 
+#: ``--compilation-config`` of a compiled Attention role on CUDA when none is given:
+#: vLLM's CUDA default (FULL_AND_PIECEWISE) would capture the AFD exchange in full decode
+#: graphs; piecewise graphs split at the exchange op (afd_moe_runners.exchange_op).
+CUDA_ATTENTION_COMPILATION = {"cudagraph_mode": "PIECEWISE"}
+
+
+def attention_graph_args(argv: list[str], *, cuda: bool | None = None) -> list[str]:
+    """``--compilation-config`` for a compiled Attention role on CUDA (piecewise graphs),
+    unless the command runs eager or sets a compilation config itself; else empty."""
+    # --compilation-config / -cc (also -cc.key=value) and vLLM's -O levels set it.
+    if any(a.startswith(("--enforce-eager", "--compilation-config", "-cc", "-O")) for a in argv):
+        return []
+    if cuda is None:
+        import torch
+
+        cuda = bool(torch.cuda.is_available())
+    if not cuda:
+        return []
+    return ["--compilation-config", json.dumps(CUDA_ATTENTION_COMPILATION)]
+
+
 def serve_attention(model: str, rest: list[str]) -> int:
     argv = prepare_role_args("attention", model, rest)
     argv += attention_worker_args(argv)
+    argv += attention_graph_args(argv)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *argv]
     logger.info("afd serve --role attention: %s", " ".join(cmd))
     return run_attention_server(cmd)
@@ -314,6 +336,16 @@ def _serve_ffn(argv: list[str], health_host: str, health_port: int) -> int:
     parser = EngineArgs.add_cli_args(parser)
     ns = parser.parse_args(argv)
     engine_args = EngineArgs.from_cli_args(ns)
+    if not engine_args.enforce_eager:
+        # The FFN role never runs vLLM's compiled model forward: it computes each block
+        # eagerly as it arrives. vLLM's compile mode would only switch its custom ops to
+        # the PyTorch-native implementations meant for inductor to fuse, which run
+        # eagerly are ~16x slower here (measured end to end on a tiny DeepSeek-V3).
+        logger.info(
+            "AFD FFN role: vLLM eager settings (the FFN blocks run eagerly with vLLM's "
+            "kernels; the Attention role compiles)"
+        )
+        engine_args.enforce_eager = True
     if engine_args.distributed_executor_backend is None:
         engine_args.distributed_executor_backend = "uni"
     from afd.ffn_server import run_ffn_server

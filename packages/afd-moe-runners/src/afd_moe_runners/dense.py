@@ -7,6 +7,7 @@ import torch
 from afd_core.errors import AFDTransferMismatchError
 from afd_core.transfer import AttentionToFFN
 from afd_moe_runners.exchange import MicroBatchYield, scheduler_yield, send_to_ffn
+from afd_moe_runners.exchange_op import exchange, register_layer
 
 __all__ = ["RemoteDenseMLP"]
 
@@ -21,10 +22,21 @@ class RemoteDenseMLP(torch.nn.Module):
 
     def __init__(self, layer_idx: int, *, micro_batch_yield: MicroBatchYield | None = None):
         super().__init__()
+        self._init_remote(layer_idx, micro_batch_yield)
+
+    def _init_remote(self, layer_idx: int, micro_batch_yield: MicroBatchYield | None) -> None:
+        """Everything but ``nn.Module.__init__`` (subclasses mixed with a native MLP class
+        call it instead of the native constructor, which would build weights)."""
         self.layer_idx = layer_idx
         self.micro_batch_yield: MicroBatchYield = micro_batch_yield or scheduler_yield
+        self.afd_layer_name = f"afd.dense_mlp.{layer_idx}"
+        register_layer(self.afd_layer_name, self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return exchange(self, self.afd_layer_name, x)
+
+    def afd_exchange(self, x: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
+        """Send, yield, receive (eager; compiled graphs reach it through the op)."""
         pending = send_to_ffn(AttentionToFFN(x), layer_idx=self.layer_idx)
         self.micro_batch_yield(pending.layer_idx, pending.micro_batch_idx)
         result = pending.receive()

