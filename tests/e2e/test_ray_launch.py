@@ -190,7 +190,8 @@ def _spec(tmp: Path, model: Path, num_attention: int) -> Path:
     spec = tmp / f"{num_attention}a1f.toml"
     spec.write_text(
         f'model = "{model}"\nnum_attention = {num_attention}\nnum_ffn = 1\n'
-        f'log_dir = "{tmp / "logs"}"\n'
+        # eager: the Ray placement is under test here; compiled runs in test_launch.py
+        f'log_dir = "{tmp / "logs"}"\nenforce_eager = true\n'
         "[afd]\nconnect_timeout_s = 300\ntransfer_timeout_s = 120\n"
         f'[ray]\nnamespace = "{NAMESPACE}"\nplacement_timeout_s = 60\n'
         "[ray.attention]\nnum_cpus = 1\n[ray.ffn]\nnum_cpus = 1\n"

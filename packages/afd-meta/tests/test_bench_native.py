@@ -345,3 +345,14 @@ def test_native_and_afd_compile_modes_and_both_ratios(
     assert report["results"]["afd"]["16"]["output_tok_s"] == 300.0
     assert bench.run_bench(_bench_args([*argv[:-2], "--afd-modes", "fast"])) == 2
     assert bench.run_bench(_bench_args([*argv, "--native-modes", "eager,eager"])) == 2
+
+
+def test_demo_runs_compiled_in_float32_by_default() -> None:
+    ap = argparse.ArgumentParser()
+    add_demo_arguments(ap)
+    spec = demo_spec("/m", ap.parse_args([]))
+    assert (spec.enforce_eager, spec.dtype) == (False, "float32")
+    assert "--enforce-eager" not in native_spec(spec).engine_args()  # both sides compiled
+    spec = demo_spec("/m", ap.parse_args(["--enforce-eager", "--dtype", "bfloat16"]))
+    assert (spec.enforce_eager, spec.dtype) == (True, "bfloat16")
+    assert "--enforce-eager" in native_spec(spec).engine_args()

@@ -458,6 +458,43 @@ def test_stop_kills_whole_process_groups(
     assert "SIGKILL" in dep.console.getvalue()  # type: ignore[attr-defined]
 
 
+def test_compile_phases_are_reported_during_start_up(
+    tmp_path: Path, healthy_role: Callable[..., RoleProcess]
+) -> None:
+    """vLLM's compile warm-up lines in a role's output become launcher lines (once each,
+    in order) and the progress line's phase of a role still starting."""
+    lines = [
+        "(Worker pid=1) INFO [cpu_model_runner.py:87] Warming up model for the compilation...",
+        "INFO [backends.py:1166] Dynamo bytecode transform time: 9.10 s",
+        "INFO [cpu_model_runner.py:91] Warming up done.",
+    ]
+    prelude = "; ".join(f"print({line!r}, flush=True)" for line in lines)
+    dep = Deployment(
+        _spec_with_fake_roles(tmp_path), console=io.StringIO(), echo=False, visible_devices=[]
+    )
+    dep.roles = [healthy_role(prelude)]
+    dep._build_roles = lambda: None  # type: ignore[method-assign]
+    dep.start()
+    try:
+        out = dep.console.getvalue()  # type: ignore[attr-defined]
+        said = [
+            ln.split("] ", 1)[1].rsplit(" (", 1)[0]
+            for ln in out.splitlines()
+            if "ffn0: " in ln and "pid" not in ln
+        ]
+        assert said == [
+            "ffn0: compile warm-up started",
+            "ffn0: graph traced, inductor compiling",
+            "ffn0: compile warm-up done",
+        ], out
+        role = dep.roles[0]
+        assert role.phase == "compile warm-up done" and not role.phases
+        role.ready = False
+        assert dep._status_line() == "ffn0 starting (compile warm-up done)"
+    finally:
+        dep.stop(grace_s=1.0)
+
+
 # ---------------------------------------------------------------- demo / bench helpers
 
 

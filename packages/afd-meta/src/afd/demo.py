@@ -1,5 +1,5 @@
 """``afd demo``: a tiny DeepSeek-V2 served by 1 Attention + 1 FFN server, checked against
-native vLLM token by token.
+native vLLM token by token (both in vLLM's default compile mode, float32 by default).
 
 1. a tiny seeded DeepSeek-V2 checkpoint is generated under the cache directory
    (``--cache-dir``, else ``$AFD_CACHE_DIR``, else ``~/.cache/afd``) unless present;
@@ -153,6 +153,15 @@ def add_demo_arguments(ap: Any) -> None:
         help="compute the MoE gate on the attention role",
     )
     ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="model dtype of both deployments (default float32: compiled, the exchange op "
+        "is a graph boundary native vLLM does not have, so in bfloat16 rounding around the "
+        "FFN blocks differs and greedy tokens of a tiny random model can too; see "
+        "docs/architecture.md, Compiled execution)",
+    )
+    ap.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run both deployments eager (vLLM's --enforce-eager); default: vLLM's default "
@@ -272,6 +281,7 @@ def demo_spec(model: str | os.PathLike[str], args: Any) -> DeploymentSpec:
     return DeploymentSpec(
         model=str(model),
         max_model_len=256,
+        dtype=str(getattr(args, "dtype", "float32")),
         compute_gate_on_attention=bool(args.gate_on_attention),
         enforce_eager=bool(getattr(args, "enforce_eager", False)),
         log_dir=args.log_dir,

@@ -125,11 +125,14 @@ class StatusServer:
                     self._reply(404, b"not found: try /health or /metrics\n", "text/plain")
 
             def _reply(self, code: int, body: bytes, content_type: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                # A prober that gave up (its timeout passed on a busy host) has closed
+                # the connection: nothing to answer, and no traceback for the log.
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    self.send_response(code)
+                    self.send_header("Content-Type", content_type)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass  # a scrape every few seconds would flood the server's log
