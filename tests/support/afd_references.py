@@ -113,8 +113,15 @@ def reference_key(
 #: A pseudo engine argument of ``llm_kwargs``: native vLLM with AFD's graph boundaries
 #: (``python -m afd.reference --ffn-behind-op``, :mod:`afd.opaque_ffn`).
 FFN_BEHIND_OP = "afd_ffn_behind_op"
+#: A pseudo engine argument of ``llm_kwargs``: ask a native vLLM API server (``afd launch
+#: --native``, the launcher's defaults) one request per prompt, instead of an offline
+#: engine (every group must be a single prompt). In compiled mode the engine's settings
+#: (batch-size limits, which differ between the API server and ``vllm.LLM``) shape the
+#: compiled code, so a served deployment is compared with a served reference.
+SERVED = "afd_served"
 #: Native vLLM in its default compile mode, and the same with AFD's graph boundaries.
 COMPILED = {"enforce_eager": False}
+COMPILED_SERVED = {"enforce_eager": False, SERVED: True}
 COMPILED_BOUNDARIES = {"enforce_eager": False, FFN_BEHIND_OP: True}
 
 Runner = Callable[[Path, list[Group], str, int, dict[str, Any]], list[list[list[int]]]]
@@ -124,8 +131,12 @@ def run_native_groups(
     model: Path, groups: list[Group], dtype: str, max_tokens: int, llm_kwargs: dict[str, Any]
 ) -> list[list[list[int]]]:
     """One ``python -m afd.reference --groups-file`` process (native vLLM, fresh
-    interpreter): token ids per prompt, per group."""
+    interpreter): token ids per prompt, per group; with :data:`SERVED`, one native API
+    server asked one prompt at a time."""
     from afd_processes import role_devices, role_env
+
+    if llm_kwargs.get(SERVED):
+        return _run_served(model, groups, dtype, max_tokens, llm_kwargs)
 
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     work = tmp / f"afd-ref-{os.getpid()}-{time.monotonic_ns()}"
@@ -150,6 +161,37 @@ def run_native_groups(
     )
     results = json.loads(out.read_text())["groups"]
     return [list(r["token_ids"]) for r in results]
+
+
+def _run_served(
+    model: Path, groups: list[Group], dtype: str, max_tokens: int, llm_kwargs: dict[str, Any]
+) -> list[list[list[int]]]:
+    import io
+
+    from afd.demo import complete_each
+    from afd.launch import Deployment, DeploymentSpec
+
+    if any(len(g) != 1 for g in groups):
+        raise ValueError("a served native reference answers one prompt per group (singles)")
+    extra = {k: v for k, v in llm_kwargs.items() if k not in (SERVED, "enforce_eager")}
+    if extra:
+        raise ValueError(f"a served native reference takes no other engine arguments: {extra}")
+    spec = DeploymentSpec(
+        model=str(model),
+        native=True,
+        dtype=dtype,
+        max_model_len=512,
+        enforce_eager=bool(llm_kwargs.get("enforce_eager", True)),
+        startup_timeout_s=900,
+    )
+    console = io.StringIO()
+    try:
+        with Deployment(spec, echo=False, console=console, name="native-reference") as dep:
+            ids, _ = complete_each(dep.url, [g[0] for g in groups], max_tokens)
+    except Exception as exc:
+        log = console.getvalue()
+        raise AssertionError(f"served native reference failed: {exc}\n{log}") from exc
+    return [[t] for t in ids]
 
 
 class NativeReferences:

@@ -211,3 +211,30 @@ def test_eager_forward_does_not_go_through_the_op(blocks: Blocks) -> None:
         blocks.env.split_forward(twin, ffn_compute, x), blocks.env.native_forward(native, x)
     )
     assert exchange_op.compiled_calls() == before
+
+
+def test_the_op_hands_out_memory_the_graph_owns() -> None:
+    """A connector may answer with a view of its receive buffer (valid until its next
+    receive); a compiled graph may write into what an op returned. So the op returns a
+    copy, never the connector's buffer."""
+    import torch
+
+    from afd_moe_runners import exchange_op
+
+    class BufferedLayer:  # answers from one persistent receive buffer, as shm does
+        def __init__(self) -> None:
+            self.buffer = torch.zeros(16, 8)
+
+        def afd_exchange(self, x: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+            view = self.buffer[: x.shape[0]]
+            view.copy_(x * 2)
+            return view
+
+    layer = BufferedLayer()
+    exchange_op.register_layer("test.layers.0.mlp", layer)
+    x = torch.randn(5, 8)
+    out = torch.ops.afd.exchange(x, None, "test.layers.0.mlp")
+    assert torch.equal(out, x * 2)
+    assert out.untyped_storage().data_ptr() != layer.buffer.untyped_storage().data_ptr()
+    layer.afd_exchange(torch.ones(5, 8), None)  # the connector's next receive
+    assert torch.equal(out, x * 2)

@@ -88,10 +88,13 @@ def _exchange_op(
         logger.info("%s %s (first call: %s)", COMPILED_LOG, OP_NAME, layer_name)
     _CALLS[0] += 1
     out = _layer(layer_name).afd_exchange(hidden_states, router_logits)
-    # A custom op's output must not alias its inputs.
-    if out is hidden_states or out is router_logits:
-        out = out.clone()
-    return out
+    # The compiled graph owns what the op returns: inductor may write later results into
+    # that buffer once the value is dead. A connector's received tensor can be a view of
+    # its own receive buffer, valid until the next receive (shared memory, the NCCL
+    # pool), which would then overwrite a live value of the graph (measured: the tiny
+    # DeepSeek-V3 served over shared memory diverged from native on every prompt). So
+    # the op hands out a copy (one [tokens, hidden] copy per layer; eager skips it).
+    return out.clone()
 
 
 @_exchange_op.register_fake
