@@ -1,14 +1,16 @@
-"""Parallel roles end to end: a tensor-parallel Attention role served by ``afd launch``.
+"""Parallel roles end to end (``afd launch``, float32, served one request at a time,
+greedy tokens of 10 prompts x 16 equal to native vLLM asked the same way):
 
-Attention TP2 + 1 FFN on the tiny Qwen3-MoE in float32 (``attention_tensor_parallel_size
-= 2``: one attention server with two TP workers; TP worker 0 exchanges with the FFN role
-and broadcasts each answer to worker 1, afd_moe_runners.tensor_parallel). Asked one
-request at a time, the greedy tokens (10 prompts x 16) equal native vLLM at
-``tensor_parallel_size=2`` asked the same way. The FFN role sees one attention peer, not
-two, and every token it served came once (its metrics).
+* Attention TP2 + 1 FFN (``attention_tensor_parallel_size = 2``: TP worker 0 exchanges
+  and broadcasts each answer, afd_moe_runners.tensor_parallel), reference native TP=2;
+  the FFN rank sees one peer and receives exactly what the attention rank sent once.
+* FFN EP2 (``ffn_expert_parallel = true``: each FFN rank holds half the routed experts,
+  afd_moe_runners.expert_parallel) with Attention TP1, TP2 and 2 DP ranks; reference
+  native at the attention TP size; each FFN rank's log says it holds only its share.
+* DeepSeek-V3-style (grouped top-k, shared expert, dense first layer) TP1 + EP2.
 
-The default run keeps the gate-on-Attention case (top-k payload: routing computed on both
-TP workers, one message per layer); the gate on FFN runs in ``nox -s tests-matrix``.
+Both gate placements where listed. The default run keeps one case (Qwen3-MoE TP2 + 1 FFN,
+gate on Attention); the others carry ``matrix`` (``nox -s tests-matrix``).
 """
 
 from __future__ import annotations
@@ -57,14 +59,25 @@ def _complete(url: str, prompt: str) -> list[int]:
 MATRIX = pytest.mark.matrix
 
 
-def _case(tp: int, dp: int, ep: int, gate: str, *marks: Any) -> Any:
-    return pytest.param(tp, dp, ep, gate, marks=marks, id=f"tp{tp}-dp{dp}-ep{ep}-{gate}")
+def _case(tp: int, dp: int, ep: int, gate: str, *marks: Any, family: str = "qwen3_moe") -> Any:
+    name = f"tp{tp}-dp{dp}-ep{ep}-{gate}"
+    if family != "qwen3_moe":
+        name = f"{family}-{name}"
+    return pytest.param(family, tp, dp, ep, gate, marks=marks, id=name)
+
+
+def _moe_shape(model: Path) -> tuple[int, int]:
+    """(MoE layers, routed experts per layer) of a tiny checkpoint."""
+    config = json.loads((model / "config.json").read_text())
+    experts = config.get("n_routed_experts") or config["num_experts"]
+    dense = config.get("first_k_dense_replace", 0) + len(config.get("mlp_only_layers", []))
+    return config["num_hidden_layers"] - dense, experts
 
 
 # The default run keeps Attention TP2 + 1 FFN with the gate on Attention (one case of
 # this matrix; every path of the TP exchange); the other shapes in `nox -s tests-matrix`.
 @pytest.mark.parametrize(
-    ("tp", "dp", "ep", "gate"),
+    ("family", "tp", "dp", "ep", "gate"),
     [
         _case(2, 1, 1, "attention-topk"),
         _case(2, 1, 1, "ffn", MATRIX),
@@ -72,18 +85,25 @@ def _case(tp: int, dp: int, ep: int, gate: str, *marks: Any) -> Any:
         _case(1, 1, 2, "ffn", MATRIX),
         _case(2, 1, 2, "attention-topk", MATRIX),
         _case(1, 2, 2, "attention-topk", MATRIX),
+        # DeepSeek-V3-style: grouped top-k, a shared expert (FFN rank 0 gets every
+        # token), a dense first layer (FFN rank 0 alone). No TP: MLA under TP gives other
+        # tokens than TP=1 natively on this build (VLLM_CPU_FACTS.md).
+        _case(1, 1, 2, "attention-topk", MATRIX, family="deepseek_v3"),
+        _case(1, 1, 2, "ffn", MATRIX, family="deepseek_v3"),
     ],
 )
 def test_parallel_layout_served_tokens_equal_native(
+    family: str,
     tp: int,
     dp: int,
     ep: int,
     gate: str,
     tiny_qwen_models: dict[str | None, Path],
+    tiny_models: dict[str, Path],
     native_references: Any,
     tmp_path: Path,
 ) -> None:
-    model = tiny_qwen_models[None]
+    model = tiny_qwen_models[None] if family == "qwen3_moe" else tiny_models[family]
     # The reference: native vLLM at the attention TP size (Qwen3-MoE float32 gives the
     # same tokens at TP=1 and TP=2 natively; each is compared with its own).
     native = [
@@ -137,14 +157,45 @@ def test_parallel_layout_served_tokens_equal_native(
             assert sent > 0
             assert sent == ffn[0][("afd_ffn_received_bytes_total", (("rank", "0"),))]
         else:
-            # Each FFN rank holds only its share of the routed experts (3 MoE layers,
-            # 8 experts: 4 each), the others zeroed.
+            # Each FFN rank holds only its share of the routed experts, the others zeroed.
+            layers, experts = _moe_shape(model)
+            held = layers * (experts // ep)
             out = launcher.output
             for f in range(ep):
                 assert re.search(
                     rf"\[ffn{f}\].*AFD FFN rank {f} of {ep} \(expert parallel\): "
-                    r"experts_held=12 experts_zeroed=12",
+                    rf"experts_held={held} experts_zeroed={layers * experts - held}",
                     out,
                 ), out[-3000:]
+    finally:
+        launcher.kill_all()
+
+
+@pytest.mark.matrix  # runs in `nox -s tests-matrix`
+def test_tp2_ep2_bf16_serves_32_concurrent_requests_in_full(
+    tiny_qwen_models: dict[str | None, Path], tmp_path: Path
+) -> None:
+    """bfloat16, Attention TP2 + FFN EP2, gate on Attention: 32 requests at once, every
+    answer full length (tokens are not compared: bf16 sums in another order)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = tiny_qwen_models[None]
+    spec = tmp_path / "bf16.toml"
+    spec.write_text(
+        f'model = "{model}"\nnum_attention = 1\nnum_ffn = 2\n'
+        "attention_tensor_parallel_size = 2\nffn_expert_parallel = true\n"
+        f'dtype = "bfloat16"\nlog_dir = "{tmp_path / "logs"}"\n'
+        'compute_gate_on_attention = true\nvllm_args = ["--max-num-seqs", "32"]\n'
+        "[afd]\nconnect_timeout_s = 300\ntransfer_timeout_s = 120\n"
+    )
+    launcher = Launcher(spec, tmp_path)
+    try:
+        ready = launcher.wait_for(r"running; Ctrl-C or SIGTERM", STARTUP_S)
+        assert ready, f"deployment did not come up:\n{launcher.output[-6000:]}"
+        url = re.findall(r"^\[afd\]\s+(http://[\d.]+:\d+)/v1", launcher.output, re.M)[0]
+        prompts = [FIXED_PROMPTS[i % len(FIXED_PROMPTS)] for i in range(32)]
+        with ThreadPoolExecutor(32) as pool:
+            answers = list(pool.map(lambda p: _complete(url, p), prompts))
+        assert [len(a) for a in answers] == [MAX_TOKENS] * 32
     finally:
         launcher.kill_all()

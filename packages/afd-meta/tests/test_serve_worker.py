@@ -42,3 +42,17 @@ def test_micro_batches_of_reads_the_attention_role_only() -> None:
     assert micro_batches_of(cfg({"role": "attention", "num_micro_batches": 3})) == 3
     assert micro_batches_of(cfg({"role": "ffn", "num_micro_batches": 3})) == 1
     assert micro_batches_of(SimpleNamespace(additional_config={})) == 1
+
+
+def test_ffn_expert_parallel_switch_goes_into_the_afd_section() -> None:
+    from afd.serve import prepare_role_args
+
+    args = prepare_role_args(
+        "ffn",
+        "m",
+        ["--ffn-expert-parallel", "--hf-overrides", '{"architectures": ["AFDQwen3MoeForCausalLM"]}',
+         "--additional-config", json.dumps({"afd": {"num_ffn_ranks": 2, "rank": 1}})],
+    )  # fmt: skip
+    assert "--ffn-expert-parallel" not in args
+    afd = json.loads(args[args.index("--additional-config") + 1])["afd"]
+    assert afd == {"num_ffn_ranks": 2, "rank": 1, "role": "ffn", "ffn_expert_parallel": True}
