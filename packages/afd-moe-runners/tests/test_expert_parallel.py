@@ -158,3 +158,25 @@ def test_an_unknown_expert_count_is_refused() -> None:
     assert routed_experts_of(DeepSeek()) == 16 and has_shared_experts(DeepSeek())
     with pytest.raises(AFDConfigError, match="names no routed expert count"):
         routed_experts_of(object())
+
+
+def test_foreign_checkpoint_tensors_are_zeroed_before_loading() -> None:
+    from afd_moe_runners.expert_parallel import zero_foreign_weights
+
+    names = [
+        "model.layers.0.mlp.gate_proj.weight",  # dense layer 0
+        "model.layers.1.mlp.gate.weight",  # router
+        "model.layers.1.mlp.gate.e_score_correction_bias",
+        "model.layers.1.mlp.experts.1.down_proj.weight",
+        "model.layers.1.mlp.experts.6.down_proj.weight",
+        "model.layers.1.mlp.shared_experts.up_proj.weight",
+        "model.layers.1.input_layernorm.weight",
+    ]
+    weights = [(n, torch.ones(2)) for n in names]
+    for rank, zeroed in (
+        (0, {"model.layers.1.mlp.experts.6.down_proj.weight"}),
+        (1, {names[0], names[3], names[5]}),
+    ):
+        out = dict(zero_foreign_weights(iter(weights), 8, rank, 2))
+        assert list(out) == names
+        assert {n for n, t in out.items() if not t.any()} == zeroed, rank

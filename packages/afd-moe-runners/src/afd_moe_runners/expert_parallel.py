@@ -24,7 +24,8 @@ port ``port + f``), so the transports are the ordinary 1-FFN-rank connectors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from afd_core.transfer import AttentionToFFN, FFNToAttention
 
 __all__ = [
     "ExpertParallelExchange",
+    "zero_foreign_weights",
     "has_shared_experts",
     "routed_experts_of",
     "combine",
@@ -281,3 +283,34 @@ def routed_experts_of(text_config: Any) -> int:
 def has_shared_experts(text_config: Any) -> bool:
     """Whether the model has shared experts (they run on FFN rank 0 for every token)."""
     return any(bool(getattr(text_config, name, 0) or 0) for name in _SHARED)
+
+
+_EXPERT_ID = re.compile(r"\.experts\.(\d+)\.")
+_LAYER_MLP = re.compile(r"layers\.(\d+)\.mlp\.")
+_DENSE_LEAVES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2")
+
+
+def zero_foreign_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], num_experts: int, ep_rank: int, ep_size: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The FFN role's checkpoint tensors with what this FFN rank does not hold replaced
+    by zeros *before* loading: the routed experts outside its shard (per-expert tensors,
+    ``...experts.<id>....``) and, on ranks > 0, the shared experts and the dense MLPs.
+
+    Zeroing before the load matters: vLLM CPU repacks Linear weights after loading
+    (oneDNN), so zeroing a loaded ``weight`` afterwards would not reach the kernels.
+    :func:`zero_foreign_experts` zeroes the loaded FusedMoE tensors as well (fused
+    checkpoints that hold every expert in one tensor) and counts the share.
+    """
+    shard = expert_shard(num_experts, ep_size, ep_rank)
+    for name, tensor in weights:
+        expert = _EXPERT_ID.search(name)
+        if expert is not None:
+            foreign = int(expert[1]) not in shard
+        elif "shared_expert" in name:
+            foreign = ep_rank != 0
+        elif _LAYER_MLP.search(name) and name.rsplit(".", 2)[-2] in _DENSE_LEAVES:
+            foreign = ep_rank != 0  # a dense layer's MLP
+        else:
+            foreign = False
+        yield name, torch.zeros_like(tensor) if foreign else tensor

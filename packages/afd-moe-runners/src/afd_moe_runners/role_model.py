@@ -368,6 +368,7 @@ class RoleRuntime:
             afd.rank if afd.rank is not None else vllm_config.parallel_config.data_parallel_rank
         )
         self.data_parallel_size = int(vllm_config.parallel_config.data_parallel_size)
+        self._text_config = getattr(vllm_config.model_config, "hf_text_config", None)
         self._check_inventory(model, when="construction")
         self.tp_rank, self.tp_size = _tensor_parallel_place(vllm_config)
         if afd.role is AFDRole.ATTENTION:
@@ -523,6 +524,18 @@ class RoleRuntime:
             )
         self.inventory = inventory
 
+    def expert_shard_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """FFN expert parallelism: the checkpoint tensors this FFN rank does not hold,
+        zeroed before loading (:func:`afd_moe_runners.expert_parallel.zero_foreign_weights`)."""
+        from afd_moe_runners.expert_parallel import routed_experts_of, zero_foreign_weights
+
+        assert self._text_config is not None
+        return zero_foreign_weights(
+            weights, routed_experts_of(self._text_config), self.rank, self.afd.num_ffn_ranks
+        )
+
     def after_weights_loaded(self, stats: RoleWeightStats) -> None:
         model = self._model()
         assert model is not None
@@ -599,6 +612,8 @@ class AFDRoleModel:
         mine = filter_role_weights(
             weights, self.afd_config.role, self.afd_classify_weight, stats=stats
         )
+        if self.afd_config.role is AFDRole.FFN and self.afd_config.ffn_expert_parallel:
+            mine = self.afd_runtime.expert_shard_weights(mine)
         loaded: set[str] = super().load_weights(mine)  # type: ignore[misc]
         self.afd_runtime.after_weights_loaded(stats)
         return loaded
