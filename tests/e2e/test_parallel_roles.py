@@ -69,7 +69,8 @@ def _case(tp: int, dp: int, ep: int, gate: str, *marks: Any, family: str = "qwen
 def _moe_shape(model: Path) -> tuple[int, int]:
     """(MoE layers, routed experts per layer) of a tiny checkpoint."""
     config = json.loads((model / "config.json").read_text())
-    experts = config.get("n_routed_experts") or config["num_experts"]
+    names = ("n_routed_experts", "num_experts", "num_local_experts")
+    experts = next(config[n] for n in names if config.get(n))
     dense = config.get("first_k_dense_replace", 0) + len(config.get("mlp_only_layers", []))
     return config["num_hidden_layers"] - dense, experts
 
