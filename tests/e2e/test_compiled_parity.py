@@ -60,6 +60,7 @@ CASES = [
 @pytest.mark.parametrize(("arch", "gate_on_attention", "num_attention"), CASES)
 def test_compiled_served_tokens_equal_native_compiled(
     tiny_models: dict[str, Path],
+    tiny_qwen_models: dict[str | None, Path],
     native_references: Any,
     tmp_path: Path,
     arch: str,
@@ -70,7 +71,7 @@ def test_compiled_served_tokens_equal_native_compiled(
     from afd.launch import Deployment, DeploymentSpec
     from afd_moe_runners.exchange_op import COMPILED_LOG
 
-    model = tiny_models[arch]
+    model = tiny_qwen_models[None] if arch == "qwen3_moe" else tiny_models[arch]
     native = native_references.tokens(model, singles(PROMPTS), dtype="float32", llm_kwargs=COMPILED)
     spec = DeploymentSpec(
         model=str(model),

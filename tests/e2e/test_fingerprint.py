@@ -139,3 +139,42 @@ def test_ffn_with_another_dtype_and_other_routing_settings(
             "routing_payload:",
         ],
     )
+
+
+@pytest.mark.matrix  # runs in `nox -s tests-matrix` (CI runs it too)
+def test_attention_tp_size_the_ffn_side_was_not_started_for(
+    tiny_qwen_models: dict[str | None, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The FFN role was started for attention ranks of TP size 1 (the default of
+    afd.attention_tensor_parallel_size); the attention server runs TP2."""
+    model = tiny_qwen_models[None]
+    afd = afd_settings("ffn", connect_timeout_s=120)
+    ffn = FFNServer(model, {**afd, "role": "ffn"}, tmp_path)
+    # vLLM CPU's automatic binding refuses two TP workers on one NUMA node.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    attention = Server.afd_attention(
+        model, {**afd, "role": "attention"}, tmp_path, "--tensor-parallel-size", "2"
+    )
+    try:
+        met: float | None = None
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if (
+                met is None
+                and FFN_AT_RENDEZVOUS in ffn.output
+                and (ATTENTION_AT_RENDEZVOUS in attention.output)
+            ):
+                met = time.monotonic()
+            if ffn.proc.poll() is not None and attention.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        took = time.monotonic() - (met or 0.0)
+        assert met is not None, (
+            f"FFN:\n{ffn.output[-3000:]}\nattention:\n{attention.output[-3000:]}"
+        )
+    finally:
+        attention.kill()
+        ffn.kill()
+    _assert_refused(
+        ffn, attention, took, ["attention_tp: attention rank 0 has '2', ffn rank 0 has '1'"]
+    )

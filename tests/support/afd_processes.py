@@ -471,10 +471,11 @@ def assert_same_tokens(
     what: str = "native vLLM",
     *,
     min_prompts: int = 8,
+    max_tokens: int = 32,
 ) -> None:
     assert len(prompts) >= min_prompts
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert len(w) == 32
+        assert len(w) == max_tokens
         assert g == w, f"prompt {i} ({prompts[i]!r}) diverged from {what}"
 
 

@@ -152,9 +152,19 @@ def run_native_groups(
         cmd.append("--ffn-behind-op")
     if llm_kwargs:
         cmd += ["--llm-kwargs", json.dumps(llm_kwargs)]
+    env = role_env(work, role_devices(None, "attn"))
+    tp = int(llm_kwargs.get("tensor_parallel_size", 1))
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        # vLLM CPU's automatic binding refuses several TP workers on one NUMA node: one
+        # CPU list per worker, as afd launch gives a tensor-parallel attention server.
+        from afd.launch.cpus import share_cpus, split_cpus, usable_cpus
+
+        cpus = usable_cpus()
+        env["VLLM_CPU_OMP_THREADS_BIND"] = (split_cpus(cpus, tp, 0) or share_cpus(cpus, tp, 0))[
+            "attn"
+        ]
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, env=role_env(work, role_devices(None, "attn")),
-        timeout=600, check=False,
+        cmd, capture_output=True, text=True, env=env, timeout=600, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, (
         f"native reference failed ({model.name}):\n{proc.stdout[-2000:]}{proc.stderr[-5000:]}"

@@ -209,3 +209,19 @@ def test_the_rendezvous_listens_on_the_configured_host_only() -> None:
         pytest.skip("needs Linux /proc/net/tcp")
     with _deployment(AFDTopology(1, 1)) as (port, _):
         assert _listening_addresses(port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 / ::
+
+
+def test_an_attention_tp_size_the_ffn_side_was_not_started_for_is_refused() -> None:
+    # Attention ranks of TP size 2 (their engines' size); the FFN rank was started for
+    # afd.attention_tensor_parallel_size=1 (afd_moe_runners.identity puts both in the
+    # fingerprint's attention_tp field).
+    topology = AFDTopology(1, 1)
+    port = free_port()
+    tp2, tp1 = {**IDENTITY, "attention_tp": "2"}, {**IDENTITY, "attention_tp": "1"}
+    results, took = _join_all(port, topology, {0: {"identity": tp2}, 1: {"identity": tp1}})
+    for g in (0, 1):
+        assert isinstance(results[g], AFDFingerprintMismatchError), results
+        message = str(results[g])
+        assert "attention_tp: attention rank 0 has '2', ffn rank 0 has '1'" in message
+        assert len(message.splitlines()) == 1
+        assert took[g] < 10.0

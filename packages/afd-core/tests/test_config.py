@@ -319,3 +319,25 @@ def test_equal_configs_hash_equal() -> None:
     two = AFDConfig.parse({"role": "ffn", "connector_extra_config": {"x": [1]}})
     assert one == two and hash(one) == hash(two)
     assert len({one, two, AFDConfig(role=AFDRole.ATTENTION)}) == 2
+
+
+def test_expert_planes_of_an_expert_parallel_ffn_side() -> None:
+    attn = AFDConfig(
+        role="attention", num_attention_ranks=2, num_ffn_ranks=3, rank=1, port=29000,
+        ffn_expert_parallel=True,
+    )  # fmt: skip
+    planes = [attn.expert_plane(f) for f in range(3)]
+    assert [(p.port, p.num_ffn_ranks, p.rank, p.num_attention_ranks) for p in planes] == [
+        (29000, 1, 1, 2), (29001, 1, 1, 2), (29002, 1, 1, 2),
+    ]  # fmt: skip
+    ffn = AFDConfig(role="ffn", num_ffn_ranks=3, rank=2, port=29000, ffn_expert_parallel=True)
+    plane = ffn.expert_plane(2)
+    assert (plane.port, plane.rank, plane.num_ffn_ranks) == (29002, 0, 1)
+    with pytest.raises(AFDConfigError, match="FFN rank 2 asked for the plane of FFN rank 0"):
+        ffn.expert_plane(0)
+    with pytest.raises(AFDConfigError, match=r"only with afd.ffn_expert_parallel=true"):
+        AFDConfig(role="ffn").expert_plane(0)
+    with pytest.raises(AFDConfigError, match=r"afd.ffn_expert_parallel: expected a bool"):
+        AFDConfig(role="ffn", ffn_expert_parallel="yes")
+    with pytest.raises(AFDConfigError, match=r"rendezvous on ports 65535..65536"):
+        AFDConfig(role="ffn", num_ffn_ranks=2, port=65535, ffn_expert_parallel=True)

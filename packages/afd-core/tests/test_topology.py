@@ -103,3 +103,28 @@ def test_out_of_range_ranks_are_config_errors() -> None:
         topo.role_rank_of(3)
     with pytest.raises(AFDConfigError, match="'attention' or 'ffn'"):
         topo.size_of("router")
+
+
+# ---------------------------------------------------------------- expert parallelism
+
+
+def test_expert_shards_are_contiguous_balanced_and_cover_every_expert() -> None:
+    from afd_core.topology import expert_owner, expert_shard
+
+    assert [expert_shard(16, 3, r) for r in range(3)] == [range(0, 6), range(6, 11), range(11, 16)]
+    assert [expert_shard(8, 2, r) for r in range(2)] == [range(0, 4), range(4, 8)]
+    for experts in range(1, 40):
+        for size in range(1, experts + 1):
+            shards = [expert_shard(experts, size, r) for r in range(size)]
+            assert [e for s in shards for e in s] == list(range(experts))
+            assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    assert expert_owner(5, 2) == [0, 0, 0, 1, 1]
+
+
+def test_fewer_experts_than_ffn_ranks_is_refused() -> None:
+    from afd_core.topology import expert_shard
+
+    with pytest.raises(AFDConfigError, match="2 routed experts cannot be shared by 3 FFN ranks"):
+        expert_shard(2, 3, 0)
+    with pytest.raises(AFDConfigError, match=r"ep_rank: expected an int in 0..1"):
+        expert_shard(8, 2, 2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -395,3 +396,72 @@ def test_start_prints_connector_and_cpus(
     out = dep.console.getvalue()  # type: ignore[attr-defined]
     for line in lines:
         assert f"[afd] {line}\n" in out
+
+
+# ---------------------------------------------------------------- attention tensor parallelism
+
+
+@pytest.mark.parametrize(
+    ("num_attention", "tp", "num_ffn", "n", "want"),
+    [
+        # one CPU list per TP worker, in vLLM's [DP, TP] order
+        (1, 2, 1, 4, {"attn": "0|1", "ffn0": "2-3"}),
+        (2, 2, 1, 8, {"attn": "0|1|2|3", "ffn0": "4-7"}),
+        (1, 2, 1, 8, {"attn": "0-1|2-3", "ffn0": "4-7"}),
+        # fewer CPUs than processes: shared round robin (vLLM's automatic binding refuses
+        # two TP workers on one NUMA node, so leaving it to vLLM would not start)
+        (1, 2, 1, 2, {"attn": "0|1", "ffn0": "1"}),
+    ],
+)
+def test_tensor_parallel_attention_gets_one_cpu_list_per_worker(
+    tmp_path: Path, num_attention: int, tp: int, num_ffn: int, n: int, want: dict
+) -> None:
+    spec = DeploymentSpec(
+        model="/m",
+        num_attention=num_attention,
+        num_ffn=num_ffn,
+        attention_tensor_parallel_size=tp,
+    )
+    roles = _built(spec, tmp_path, list(range(n)))
+    assert _binds(roles) == want
+    attn = roles["attn"].cmd
+    assert attn[attn.index("--tensor-parallel-size") + 1] == str(tp)
+    for name, role in roles.items():
+        if name.startswith("ffn"):
+            assert "--tensor-parallel-size" not in role.cmd
+            config = json.loads(role.cmd[role.cmd.index("--additional-config") + 1])
+            assert config["afd"]["attention_tensor_parallel_size"] == tp
+
+
+def test_tensor_parallel_spec_errors() -> None:
+    with pytest.raises(SpecError, match="attention_tensor_parallel_size: expected an int >= 1"):
+        DeploymentSpec(model="/m", attention_tensor_parallel_size=0)
+    with pytest.raises(SpecError, match="--tensor-parallel-size is set by the launcher; use "
+                       "the spec field attention_tensor_parallel_size"):  # fmt: skip
+        DeploymentSpec(model="/m", attention={"vllm_args": ["--tensor-parallel-size", "2"]})
+    with pytest.raises(SpecError, match=r"attention.cpus: 1 CPU list\(s\) 0 for 2 rank"):
+        DeploymentSpec(model="/m", attention_tensor_parallel_size=2, attention={"cpus": "0"})
+    with pytest.raises(SpecError, match="attention_tensor_parallel_size: 2 with \\[ray\\]"):
+        DeploymentSpec(model="/m", attention_tensor_parallel_size=2, ray={})
+
+
+def test_expert_parallel_ffn_servers_each_get_their_rank_and_plane_ports(tmp_path: Path) -> None:
+    spec = DeploymentSpec(model="/m", num_attention=1, num_ffn=2, ffn_expert_parallel=True)
+    roles = _built(spec, tmp_path, list(range(4)))
+    for name, rank in (("ffn0", 0), ("ffn1", 1), ("attn", None)):
+        cmd = roles[name].cmd
+        afd = json.loads(cmd[cmd.index("--additional-config") + 1])["afd"]
+        assert afd["ffn_expert_parallel"] is True
+        assert afd["num_ffn_ranks"] == 2 and afd.get("rank") == rank
+    with pytest.raises(SpecError, match="or ffn_expert_parallel = true"):
+        DeploymentSpec(model="/m", num_attention=1, num_ffn=2)
+
+
+def test_expert_parallel_reserves_one_rendezvous_port_per_ffn_server() -> None:
+    from afd.launch.ports import allocate_ports
+    from afd_core.ports import port_bindable
+
+    spec = DeploymentSpec(model="/m", num_ffn=3, ffn_expert_parallel=True)
+    http, conn = allocate_ports(spec)
+    assert all(port_bindable(spec.host, p) for p in range(conn, conn + 3))
+    assert http[0] not in range(conn, conn + 3)

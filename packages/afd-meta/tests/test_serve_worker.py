@@ -67,3 +67,17 @@ def test_compiled_attention_on_cuda_gets_piecewise_graphs_unless_configured() ->
         ["-O3"],
     ):
         assert attention_graph_args([*argv, *extra], cuda=True) == [], extra
+
+
+def test_ffn_expert_parallel_switch_goes_into_the_afd_section() -> None:
+    from afd.serve import prepare_role_args
+
+    args = prepare_role_args(
+        "ffn",
+        "m",
+        ["--ffn-expert-parallel", "--hf-overrides", '{"architectures": ["AFDQwen3MoeForCausalLM"]}',
+         "--additional-config", json.dumps({"afd": {"num_ffn_ranks": 2, "rank": 1}})],
+    )  # fmt: skip
+    assert "--ffn-expert-parallel" not in args
+    afd = json.loads(args[args.index("--additional-config") + 1])["afd"]
+    assert afd == {"num_ffn_ranks": 2, "rank": 1, "role": "ffn", "ffn_expert_parallel": True}

@@ -160,3 +160,64 @@ def test_full_cuda_graphs_are_refused_at_the_model_build(monkeypatch) -> None:
         ),
         "AFDTestModel",
     )
+
+
+@pytest.mark.parametrize(
+    ("afd", "tp", "problem"),
+    [
+        ({"role": "attention"}, 2, None),
+        ({"role": "attention", "attention_tensor_parallel_size": 2}, 2, None),
+        ({"role": "attention", "num_attention_ranks": 2}, 4, None),
+        (
+            {"role": "attention", "attention_tensor_parallel_size": 4},
+            2,
+            "afd.attention_tensor_parallel_size=4 but the Attention engine runs "
+            "tensor_parallel_size=2",
+        ),
+        (
+            {"role": "attention", "num_micro_batches": 2},
+            2,
+            "afd.num_micro_batches=2 with tensor_parallel_size=2 is not supported yet",
+        ),
+        ({"role": "ffn", "attention_tensor_parallel_size": 2}, 1, None),
+        ({"role": "ffn"}, 2, "tensor_parallel_size=2 is not supported on the AFD FFN role"),
+    ],
+)
+def test_tensor_parallel_is_an_attention_role_layout(
+    afd: dict[str, Any], tp: int, problem: str | None
+) -> None:
+    from afd_moe_runners.role_model import tensor_parallel_problem
+
+    got = tensor_parallel_problem(AFDConfig(**afd), tp)
+    if problem is None:
+        assert got is None
+    else:
+        assert got is not None and problem in got
+
+
+@pytest.mark.parametrize(("role", "engine_tp", "want"), [("attention", 2, "2"), ("ffn", 1, "4")])
+def test_the_fingerprint_carries_the_attention_tp_size(
+    role: str, engine_tp: int, want: str
+) -> None:
+    # The Attention role reports its engine's TP size, the FFN role the size it was
+    # started for: admission compares the two (afd_core.admission).
+    from afd_moe_runners.identity import deployment_identity
+
+    class AFDToyForCausalLM:
+        def afd_ffn_blocks(self) -> dict[int, Any]:
+            return {}
+
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(
+            hf_text_config=SimpleNamespace(model_type="toy", hidden_size=8, num_hidden_layers=2),
+            dtype="torch.float32",
+            quantization=None,
+            model="org/toy",
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=engine_tp),
+    )
+    afd = AFDConfig(role=role, attention_tensor_parallel_size=4 if role == "ffn" else 1)
+    fields = deployment_identity(
+        AFDToyForCausalLM(), config, afd, shared_experts_on_attention=False
+    )
+    assert fields["attention_tp"] == want

@@ -140,6 +140,16 @@ class AFDConfig:
     num_ffn_ranks: int = 1
     rank: int | None = None
     """This process's index within its role; None = derived by the runtime."""
+    attention_tensor_parallel_size: int = 1
+    """vLLM tensor-parallel size of each attention rank (TP worker 0 of a rank exchanges
+    with the FFN role for its whole TP group). The FFN role admits only attention ranks
+    of this size; the Attention role takes its engine's ``--tensor-parallel-size`` and
+    refuses a different value here."""
+    ffn_expert_parallel: bool = False
+    """The ``num_ffn_ranks`` FFN ranks share one expert set (expert parallelism): FFN rank
+    f holds routed experts :func:`afd_core.topology.expert_shard` ``(E, num_ffn_ranks, f)``
+    and every attention rank exchanges with every FFN rank, on rendezvous port
+    ``port + f`` (see :meth:`expert_plane`)."""
     compute_gate_on_attention: bool = False
     routing_payload: RoutingPayload = RoutingPayload.TOPK
     num_micro_batches: int = 1
@@ -181,6 +191,18 @@ class AFDConfig:
             own = f"num_{self.role.value}_ranks={size}"
             if not _is_int(self.rank) or not 0 <= self.rank < size:
                 raise _fail("rank", f"null or an int in 0..{size - 1} ({own})", self.rank)
+        put(
+            "attention_tensor_parallel_size",
+            _check_int("attention_tensor_parallel_size", self.attention_tensor_parallel_size, 1),
+        )
+        if not isinstance(self.ffn_expert_parallel, bool):
+            raise _fail("ffn_expert_parallel", "a bool (true or false)", self.ffn_expert_parallel)
+        if self.ffn_expert_parallel and self.port + self.num_ffn_ranks - 1 > 65535:
+            raise AFDConfigError(
+                f"afd.port: with ffn_expert_parallel the FFN ranks rendezvous on ports "
+                f"{self.port}..{self.port + self.num_ffn_ranks - 1}; choose a port <= "
+                f"{65536 - self.num_ffn_ranks}, got {self.port}"
+            )
         if not isinstance(self.compute_gate_on_attention, bool):
             raise _fail(
                 "compute_gate_on_attention",
@@ -327,6 +349,28 @@ class AFDConfig:
         from afd_core.topology import AFDTopology
 
         return AFDTopology(self.num_attention_ranks, self.num_ffn_ranks)
+
+    def expert_plane(self, ffn_rank: int) -> AFDConfig:
+        """With ``ffn_expert_parallel``: the settings of the exchange between the attention
+        ranks and FFN rank ``ffn_rank`` (a topology of ``num_attention_ranks`` attention
+        ranks and one FFN rank, on port ``port + ffn_rank``). For an FFN process,
+        ``ffn_rank`` must be its own rank (its plane's FFN rank is 0)."""
+        if not self.ffn_expert_parallel:
+            raise AFDConfigError("afd.expert_plane: only with afd.ffn_expert_parallel=true")
+        if not _is_int(ffn_rank) or not 0 <= ffn_rank < self.num_ffn_ranks:
+            raise _fail("ffn rank", f"an int in 0..{self.num_ffn_ranks - 1}", ffn_rank)
+        if self.role is AFDRole.FFN and self.rank is not None and self.rank != ffn_rank:
+            raise AFDConfigError(
+                f"afd.expert_plane: FFN rank {self.rank} asked for the plane of FFN rank {ffn_rank}"
+            )
+        rank = 0 if self.role is AFDRole.FFN else self.rank
+        return dataclasses.replace(
+            self,
+            num_ffn_ranks=1,
+            rank=rank,
+            port=self.port + ffn_rank,
+            ffn_expert_parallel=False,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-compatible dict with canonical keys; ``AFDConfig.parse(c.to_dict()) == c``."""

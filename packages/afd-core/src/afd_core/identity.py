@@ -41,6 +41,8 @@ FINGERPRINT_FIELDS: tuple[str, ...] = (
     "protocol",
     "connector",
     "topology",
+    "attention_tp",
+    "expert_shard",
     "architecture",
     "model_type",
     "dtype",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from afd_core.errors import AFDConfigError
 from afd_core.roles import AFDRole
 
-__all__ = ["AFDTopology"]
+__all__ = ["AFDTopology", "expert_shard", "expert_owner"]
 
 
 def _as_role(role: AFDRole | str) -> AFDRole:
@@ -117,3 +117,33 @@ class AFDTopology:
         if global_rank < self.num_attention_ranks:
             return AFDRole.ATTENTION, global_rank
         return AFDRole.FFN, global_rank - self.num_attention_ranks
+
+
+def expert_shard(num_experts: int, ep_size: int, ep_rank: int) -> range:
+    """The routed experts FFN rank ``ep_rank`` of ``ep_size`` holds under expert
+    parallelism (``afd.ffn_expert_parallel``): contiguous and balanced, the first
+    ``num_experts % ep_size`` ranks one more (16 over 3: 0-5, 6-10, 11-15). Fewer experts
+    than ranks is refused (a rank would hold none)."""
+    for name, value, low in (("num_experts", num_experts, 1), ("ep_size", ep_size, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise AFDConfigError(f"{name}: expected an int >= {low}, got {value!r}")
+    if not isinstance(ep_rank, int) or isinstance(ep_rank, bool) or not 0 <= ep_rank < ep_size:
+        raise AFDConfigError(f"ep_rank: expected an int in 0..{ep_size - 1}, got {ep_rank!r}")
+    if num_experts < ep_size:
+        raise AFDConfigError(
+            f"afd.ffn_expert_parallel: {num_experts} routed experts cannot be shared by "
+            f"{ep_size} FFN ranks (each must hold at least one); use at most {num_experts} "
+            "FFN ranks"
+        )
+    size, extra = divmod(num_experts, ep_size)
+    start = ep_rank * size + min(ep_rank, extra)
+    return range(start, start + size + (1 if ep_rank < extra else 0))
+
+
+def expert_owner(num_experts: int, ep_size: int) -> list[int]:
+    """FFN rank of every routed expert (index = expert id), by :func:`expert_shard`."""
+    owner = [0] * num_experts
+    for rank in range(ep_size):
+        for expert in expert_shard(num_experts, ep_size, rank):
+            owner[expert] = rank
+    return owner

@@ -93,22 +93,37 @@ class AFDWorkerExtension:
                 shared_experts_on_attention=shared_experts_on_attention(afd),
                 external_routing=ffn_external_routing(afd, blocks),
             )
-            connector = create_connector(
-                afd, rank=rank, identity=role_identity(model, vllm_config, afd)
-            )
+            identity = role_identity(model, vllm_config, afd)
+            plane = afd
+            if afd.ffn_expert_parallel:
+                # Expert parallelism: this rank holds its expert shard only and talks to
+                # every attention rank on its own expert plane (port + rank).
+                from afd_moe_runners.expert_parallel import zero_foreign_experts
+                from afd_moe_runners.identity import moe_layer_indices
+
+                n = afd.num_ffn_ranks
+                held = zero_foreign_experts(blocks, moe_layer_indices(blocks), rank, n)
+                logger.info(
+                    "AFD FFN rank %d of %d (expert parallel): %s", rank, n,
+                    " ".join(f"{k}={v}" for k, v in held.items()),
+                )  # fmt: skip
+                plane = afd.expert_plane(rank)
+                identity = {**identity, "expert_shard": f"{rank}/{n}"}
+            plane_rank = 0 if afd.ffn_expert_parallel else rank
+            connector = create_connector(plane, rank=plane_rank, identity=identity)
             self._afd_connector = connector
             if getattr(self, "_afd_stop_requested", False):
                 return {"exit_reason": "stopped before serving"}
             logger.info(
                 "AFD FFN rank %d: waiting for attention ranks %s at %s:%d",
                 rank,
-                list(connector.topology.attention_peers_of(rank)),
-                afd.host,
-                afd.port,
+                list(connector.topology.attention_peers_of(plane_rank)),
+                plane.host,
+                plane.port,
             )
             connector.init()
             metrics = ffn_metrics(rank)
-            metrics.peers.set(len(connector.topology.attention_peers_of(rank)))
+            metrics.peers.set(len(connector.topology.attention_peers_of(plane_rank)))
             logger.info("AFD FFN rank %d: attention peers connected; serving", rank)
             try:
                 while True:

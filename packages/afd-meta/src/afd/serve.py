@@ -103,6 +103,10 @@ def prepare_role_args(role: str, model: str, rest: list[str]) -> list[str]:
         )
     afd_section.pop("afd_role", None)
     afd_section["role"] = role
+    if "--ffn-expert-parallel" in args:
+        # afd's own switch: additional_config["afd"]["ffn_expert_parallel"] = true
+        args.remove("--ffn-expert-parallel")
+        afd_section["ffn_expert_parallel"] = True
     AFDConfig.parse(afd_section)  # fail here, with the CLI's error, not deep in a worker
     additional["afd"] = afd_section
     hf_overrides = _json_option(args, "--hf-overrides")

@@ -66,7 +66,8 @@ class PendingExchange:
         Padding rows that were not sent come back as zeros, so the result has the
         caller's row count.
         """
-        rec = recorder("attention", self.connector.rank)
+        counted = getattr(self.connector, "records_exchanges", True)
+        rec = recorder("attention", self.connector.rank) if counted else None
         metrics = self.metrics
         timed = rec is not None or metrics is not None
         t0 = time.perf_counter_ns() if timed else 0
@@ -124,8 +125,9 @@ def send_to_ffn(payload: AttentionToFFN, *, layer_idx: int) -> PendingExchange:
         )
     hidden = payload.hidden_states
     assert isinstance(hidden, torch.Tensor)
-    rec = recorder("attention", meta.connector.rank)
-    metrics = attention_metrics(meta.connector.rank)
+    counted = getattr(meta.connector, "records_exchanges", True)
+    rec = recorder("attention", meta.connector.rank) if counted else None
+    metrics = attention_metrics(meta.connector.rank) if counted else None
     t0 = time.perf_counter_ns() if rec is not None or metrics is not None else 0
     meta.connector.send_to_ffn(payload, layer_idx=layer_idx, micro_batch_idx=meta.micro_batch_idx)
     if rec is not None:

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from afd_core.admission import config_fields
-from afd_core.config import AFDConfig
+from afd_core.config import AFDConfig, AFDRole
 from afd_core.identity import checkpoint_identity, format_layers
 
 __all__ = ["deployment_identity", "moe_layer_indices"]
@@ -70,6 +70,12 @@ def deployment_identity(
     mc = vllm_config.model_config
     text = mc.hf_text_config
     fields = config_fields(afd)
+    # The Attention role's TP size is its engine's; the FFN role states the size it was
+    # started for (afd.attention_tensor_parallel_size): a disagreement refuses the join.
+    if afd.role is AFDRole.ATTENTION:
+        fields["attention_tp"] = str(vllm_config.parallel_config.tensor_parallel_size)
+    else:
+        fields["attention_tp"] = str(afd.attention_tensor_parallel_size)
     fields["architecture"] = type(model).__name__
     fields["model_type"] = str(getattr(text, "model_type", "?"))
     fields["dtype"] = str(mc.dtype).removeprefix("torch.")

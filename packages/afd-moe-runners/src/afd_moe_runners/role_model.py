@@ -50,6 +50,7 @@ __all__ = [
     "afd_config_of",
     "attention_factory",
     "check_supported_parallelism",
+    "tensor_parallel_problem",
     "compiled_graph_problem",
     "micro_batching_problem",
     "layer_index",
@@ -90,10 +91,10 @@ def check_supported_parallelism(vllm_config: VllmConfig, model_name: str) -> Non
         problem = micro_batching_problem(vllm_config, afd.num_micro_batches)
         if problem is not None:
             raise AFDConfigError(f"{model_name}: {problem}")
-    for name, value in (
-        ("tensor_parallel_size", pc.tensor_parallel_size),
-        ("pipeline_parallel_size", pc.pipeline_parallel_size),
-    ):
+    problem = tensor_parallel_problem(afd, int(pc.tensor_parallel_size))
+    if problem is not None:
+        raise AFDConfigError(f"{model_name}: {problem}")
+    for name, value in (("pipeline_parallel_size", pc.pipeline_parallel_size),):
         if value != 1:
             raise AFDConfigError(
                 f"{model_name}: {name}={value} is not supported by afd yet (each AFD rank "
@@ -102,6 +103,38 @@ def check_supported_parallelism(vllm_config: VllmConfig, model_name: str) -> Non
             )
     if pc.enable_eplb:
         raise AFDConfigError(f"{model_name}: EPLB is not supported by afd yet; disable it")
+
+
+def tensor_parallel_problem(afd: AFDConfig, tensor_parallel_size: int) -> str | None:
+    """Why this role cannot run with vLLM's ``tensor_parallel_size``, or None.
+
+    The Attention role may be tensor-parallel (TP worker 0 of each attention rank
+    exchanges, :mod:`afd_moe_runners.tensor_parallel`); micro-batching is not combined
+    with it yet. The FFN role is one process per rank (``tensor_parallel_size=1``).
+    ``afd.attention_tensor_parallel_size``, when set on the Attention role, must be the
+    engine's own size (the FFN role reads it to know what to admit).
+    """
+    tp = tensor_parallel_size
+    if afd.role is AFDRole.FFN:
+        if tp != 1:
+            return (
+                f"tensor_parallel_size={tp} is not supported on the AFD FFN role (each FFN "
+                "rank is one process); set tensor_parallel_size=1 and scale the FFN side "
+                "with afd.num_ffn_ranks"
+            )
+        return None
+    if afd.attention_tensor_parallel_size not in (1, tp):
+        return (
+            f"afd.attention_tensor_parallel_size={afd.attention_tensor_parallel_size} but "
+            f"the Attention engine runs tensor_parallel_size={tp}; make them agree (the "
+            "Attention role uses its engine's --tensor-parallel-size)"
+        )
+    if tp > 1 and afd.num_micro_batches > 1:
+        return (
+            f"afd.num_micro_batches={afd.num_micro_batches} with tensor_parallel_size={tp} "
+            "is not supported yet; set afd.num_micro_batches=1 or tensor_parallel_size=1"
+        )
+    return None
 
 
 #: ``--worker-cls`` of the Attention role with ``afd.num_micro_batches`` > 1, per device.
@@ -346,11 +379,20 @@ class RoleRuntime:
             afd.rank if afd.rank is not None else vllm_config.parallel_config.data_parallel_rank
         )
         self.data_parallel_size = int(vllm_config.parallel_config.data_parallel_size)
+        self._text_config = getattr(vllm_config.model_config, "hf_text_config", None)
         self._check_inventory(model, when="construction")
+        self.tp_rank, self.tp_size = _tensor_parallel_place(vllm_config)
         if afd.role is AFDRole.ATTENTION:
-            self.connector = create_connector(
-                afd, rank=self.rank, identity=role_identity(model, vllm_config, afd)
-            )
+            self.connector = self._attention_connector(model, vllm_config, afd)
+            if self.tp_rank > 0:
+                logger.info(
+                    "AFD attention rank %d, TP worker %d/%d: takes each FFN answer from TP "
+                    "worker 0 (broadcast)",
+                    self.rank,
+                    self.tp_rank,
+                    self.tp_size,
+                )
+                return
             logger.info(
                 "AFD attention rank %d: connecting to the FFN role via %s at %s:%d "
                 "(waits up to %.0f s for the FFN server)",
@@ -367,12 +409,70 @@ class RoleRuntime:
                 raise
             atexit.register(self.close)
             logger.info("AFD attention rank %d: connected", self.rank)
-            attention_peers_changed(self.connector, self.rank, connected=True)
+            self._peers_changed(connected=True)
+
+    def _attention_connector(
+        self, model: nn.Module, vllm_config: VllmConfig, afd: AFDConfig
+    ) -> AFDConnector:
+        """This worker's connector: the rank's own; under tensor parallelism TP worker
+        0's wrapped in a :class:`TensorParallelExchange` (the others hold none)."""
+        if self.tp_size == 1:
+            return self._rank_connector(model, vllm_config, afd)
+        from afd_moe_runners.tensor_parallel import TensorParallelExchange
+
+        inner = None
+        if self.tp_rank == 0:
+            inner = self._rank_connector(model, vllm_config, afd)
+        return TensorParallelExchange(
+            afd, rank=self.rank, tp_rank=self.tp_rank, tp_size=self.tp_size, inner=inner
+        )
+
+    def _rank_connector(
+        self, model: nn.Module, vllm_config: VllmConfig, afd: AFDConfig
+    ) -> AFDConnector:
+        """The attention rank's exchange with the FFN role: one connector, or with
+        ``afd.ffn_expert_parallel`` one per FFN rank (its expert plane) behind an
+        :class:`~afd_moe_runners.expert_parallel.ExpertParallelExchange`."""
+        identity = role_identity(model, vllm_config, afd)
+        if not afd.ffn_expert_parallel:
+            return create_connector(afd, rank=self.rank, identity=identity)
+        from afd_moe_runners.expert_parallel import (
+            ExpertParallelExchange,
+            has_shared_experts,
+            routed_experts_of,
+        )
+
+        n = afd.num_ffn_ranks
+        planes = [
+            create_connector(
+                afd.expert_plane(f),
+                rank=self.rank,
+                identity={**identity, "expert_shard": f"{f}/{n}"},
+            )
+            for f in range(n)
+        ]
+        text = vllm_config.model_config.hf_text_config
+        return ExpertParallelExchange(
+            afd,
+            rank=self.rank,
+            planes=planes,
+            num_experts=routed_experts_of(text),
+            rank0_gets_every_row=has_shared_experts(text),
+        )
+
+    @property
+    def _counted(self) -> bool:
+        # Under tensor parallelism only TP worker 0's exchanges count in the metrics.
+        return bool(getattr(self.connector, "records_exchanges", True))
+
+    def _peers_changed(self, *, connected: bool) -> None:
+        if self.connector is not None and self._counted:
+            attention_peers_changed(self.connector, self.rank, connected=connected)
 
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
-            attention_peers_changed(self.connector, self.rank, connected=False)
+            self._peers_changed(connected=False)
 
     def attach_step_metadata(self) -> None:
         """Install this step's AFD metadata in vLLM's forward context (Attention role)."""
@@ -395,10 +495,11 @@ class RoleRuntime:
         except _FATAL as exc:
             record_exit_reason(f"{type(exc).__name__}: {exc}")
             if isinstance(exc, AFDPeerLostError):
-                attention_peers_changed(self.connector, self.rank, connected=False)
+                self._peers_changed(connected=False)
             raise
         finally:
-            attention_step_ended(self.rank)
+            if self._counted:
+                attention_step_ended(self.rank)
 
     def _run_forward(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
         from afd_moe_runners import micro_batching
@@ -434,6 +535,18 @@ class RoleRuntime:
             )
         self.inventory = inventory
 
+    def expert_shard_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """FFN expert parallelism: the checkpoint tensors this FFN rank does not hold,
+        zeroed before loading (:func:`afd_moe_runners.expert_parallel.zero_foreign_weights`)."""
+        from afd_moe_runners.expert_parallel import routed_experts_of, zero_foreign_weights
+
+        assert self._text_config is not None
+        return zero_foreign_weights(
+            weights, routed_experts_of(self._text_config), self.rank, self.afd.num_ffn_ranks
+        )
+
     def after_weights_loaded(self, stats: RoleWeightStats) -> None:
         model = self._model()
         assert model is not None
@@ -445,6 +558,16 @@ class RoleRuntime:
             " ".join(f"{k}={v}" for k, v in sorted(self.inventory.items())),
             stats.summary(),
         )
+
+
+def _tensor_parallel_place(vllm_config: VllmConfig) -> tuple[int, int]:
+    """(this worker's TP rank, the TP size) of the engine."""
+    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    if size == 1:
+        return 0, 1
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank()), size
 
 
 def _bind_forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -500,6 +623,8 @@ class AFDRoleModel:
         mine = filter_role_weights(
             weights, self.afd_config.role, self.afd_classify_weight, stats=stats
         )
+        if self.afd_config.role is AFDRole.FFN and self.afd_config.ffn_expert_parallel:
+            mine = self.afd_runtime.expert_shard_weights(mine)
         loaded: set[str] = super().load_weights(mine)  # type: ignore[misc]
         self.afd_runtime.after_weights_loaded(stats)
         return loaded

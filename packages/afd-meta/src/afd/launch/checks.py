@@ -25,6 +25,10 @@ MANAGED_VLLM_OPTIONS = {
     "--gpu-memory-utilization": "gpu_memory_utilization",
     "--health-port": "ffn_health_port",
     "--health-host": "host",
+    "--tensor-parallel-size": "attention_tensor_parallel_size",
+    "-tp": "attention_tensor_parallel_size",
+    "--data-parallel-size": "num_attention",
+    "-dp": "num_attention",
 }
 
 

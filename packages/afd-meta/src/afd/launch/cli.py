@@ -69,6 +69,8 @@ def spec_from_args(args: Any) -> DeploymentSpec:
         "model": args.model,
         "num_attention": args.attention,
         "num_ffn": args.ffn,
+        "attention_tensor_parallel_size": getattr(args, "attention_tensor_parallel_size", None),
+        "ffn_expert_parallel": getattr(args, "ffn_expert_parallel", None),
         "dtype": args.dtype,
         "max_model_len": args.max_model_len,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
@@ -137,6 +139,18 @@ def add_launch_arguments(ap: Any) -> None:
     ap.add_argument("--model", help="checkpoint directory (or model name)")
     ap.add_argument("--attention", type=int, help="number of attention servers (default 1)")
     ap.add_argument("--ffn", type=int, help="number of FFN servers (default 1)")
+    ap.add_argument(
+        "--ffn-expert-parallel",
+        action="store_true",
+        default=None,
+        help="the FFN servers share one expert set (expert parallelism over --ffn ranks)",
+    )
+    ap.add_argument(
+        "--attention-tensor-parallel-size",
+        "--attention-tp",
+        type=int,
+        help="vLLM tensor-parallel size of each attention rank (default 1)",
+    )
     ap.add_argument(
         "--gate-on-attention",
         action="store_true",

@@ -68,13 +68,18 @@ def _native_role(spec: DeploymentSpec, at: Layout, cls: type[RoleProcess]) -> Ro
     port = at.http_port
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
-        *spec.engine_args(), *spec.attention.vllm_args,
+        *spec.engine_args(), *spec.attention.vllm_args, *_tensor_parallel_args(spec),
         "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
         "--host", spec.host, "--port", str(port),
     ]  # fmt: skip
     env = at.env(spec, AFDRole.ATTENTION, "native0")
     url = f"http://{spec.host}:{port}"
     return cls("native0", NATIVE, 0, cmd, env, at.log_dir / "native0.log", http_url=url)
+
+
+def _tensor_parallel_args(spec: DeploymentSpec) -> list[str]:
+    tp = spec.attention_tensor_parallel_size
+    return ["--tensor-parallel-size", str(tp)] if tp > 1 else []
 
 
 def _ffn_role(spec: DeploymentSpec, at: Layout, rank: int, cls: type[RoleProcess]) -> RoleProcess:
@@ -110,6 +115,7 @@ def _attention_role(spec: DeploymentSpec, at: Layout, cls: type[RoleProcess]) ->
     afd = spec.afd_section(AFDRole.ATTENTION, 0, port=at.connector_port, host=at.rendezvous_host)
     del afd["rank"]
     dp = ["--data-parallel-size", str(spec.num_attention)] if spec.num_attention > 1 else []
+    dp += _tensor_parallel_args(spec)
     cmd = [
         sys.executable, "-m", "afd.cli", "serve", "--role", AFDRole.ATTENTION.value,
         spec.attention.model or spec.model,

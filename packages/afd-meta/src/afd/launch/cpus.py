@@ -21,6 +21,7 @@ __all__ = [
     "format_cpu_list",
     "omp_bind_env",
     "parse_cpu_list",
+    "share_cpus",
     "split_cpus",
     "usable_cpus",
 ]
@@ -105,6 +106,23 @@ def split_cpus(cpus: Sequence[int], num_attention: int, num_ffn: int) -> dict[st
         out["attn"] = "|".join(format_cpu_list(b) for b in _blocks(cpus[:n_attn], num_attention))
     for f, block in enumerate(_blocks(cpus[n_attn:], num_ffn) if num_ffn else []):
         out[f"ffn{f}"] = format_cpu_list(block)
+    return out
+
+
+def share_cpus(cpus: Sequence[int], num_attention: int, num_ffn: int) -> dict[str, str]:
+    """Like :func:`split_cpus` when there are fewer ``cpus`` than role processes: each
+    process gets one CPU, so some share one (``num_attention``: CPU lists of the attention
+    server, one per worker). The attention workers take the CPUs from the first, the FFN
+    ranks from the last: a tensor-parallel rank's worker 0 (on the first CPU) runs the
+    exchange, the other workers mostly wait in its broadcast while the FFN rank computes.
+    2 CPUs, two attention workers and one FFN rank: ``{"attn": "0|1", "ffn0": "1"}``."""
+    ids = sorted(set(cpus))
+    if not ids:
+        return {}
+    n = len(ids)
+    out = {"attn": "|".join(str(ids[i % n]) for i in range(num_attention))}
+    for f in range(num_ffn):
+        out[f"ffn{f}"] = str(ids[n - 1 - f % n])
     return out
 
 

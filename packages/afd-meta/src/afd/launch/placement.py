@@ -15,6 +15,7 @@ from afd.launch.cpus import (
     assign_cpus,
     cpu_warnings,
     format_cpu_list,
+    share_cpus,
 )
 from afd.launch.devices import CUDA_VISIBLE_DEVICES, assign_devices, shared_devices
 from afd.launch.spec import DeploymentSpec
@@ -46,13 +47,16 @@ def plan_devices(spec: DeploymentSpec, visible: Sequence[str]) -> dict[str, str]
     attention: str | list[str] | None = spec.attention.env.get(CUDA_VISIBLE_DEVICES)
     if attention is None and isinstance(spec.attention.devices, list):
         attention = spec.attention.devices
+    workers = spec.num_workers(AFDRole.ATTENTION)
     if spec.native:
-        planned = assign_devices(1, 0, visible, attention=attention)
+        planned = assign_devices(
+            spec.attention_tensor_parallel_size, 0, visible, attention=attention
+        )
         return {"native0": planned["attn"]} if "attn" in planned else {}
     ffn_env = spec.ffn.env.get(CUDA_VISIBLE_DEVICES)
     ffn = [ffn_env] * spec.num_ffn if ffn_env is not None else spec.ffn.devices
     return assign_devices(
-        spec.num_attention,
+        workers,
         spec.num_ffn,
         visible,
         attention=attention,
@@ -100,15 +104,15 @@ def plan_cpus(
     num_ffn = 0 if spec.native else spec.num_ffn
     inherited = spec.env.get(CPU_BIND, os.environ.get(CPU_BIND))
     where = "the spec's env" if CPU_BIND in spec.env else "the environment"
-    procs = 1 if spec.native else spec.num_attention + spec.num_ffn
+    tp = spec.attention_tensor_parallel_size
+    workers = tp if spec.native else spec.num_workers(AFDRole.ATTENTION)
+    procs = workers + num_ffn
     split = not visible and inherited is None
-    planned = assign_cpus(
-        1 if spec.native else spec.num_attention,
-        num_ffn,
-        usable if split else [],
-        attention=attention,
-        ffn=ffn,
-    )
+    planned = assign_cpus(workers, num_ffn, usable if split else [], attention=attention, ffn=ffn)
+    if split and tp > 1 and "attn" not in planned and usable:
+        # Fewer CPUs than workers: vLLM's automatic binding refuses several TP workers on
+        # one NUMA node, so the workers share CPUs (warned about below).
+        planned = {**share_cpus(usable, workers, num_ffn), **planned}
     if spec.native:
         planned = {"native0": planned["attn"]} if "attn" in planned else {}
     lines = []

@@ -60,15 +60,22 @@ def allocate_ports(spec: DeploymentSpec, *, avoid: Iterable[int] = ()) -> tuple[
         http = [ports.pick() for _ in range(n_http)]
     if spec.native:
         return http, 0
+    # With FFN expert parallelism FFN rank f rendezvous on connector_port + f.
+    planes = spec.num_ffn if spec.ffn_expert_parallel else 1
     if spec.connector_port:
         conn = spec.connector_port
-        if ports.in_use(conn):
-            raise DeploymentError(
-                f"port {conn} (AFD connector rendezvous) is in use or taken by an HTTP "
-                "port; choose another connector_port or 0 for a free port"
-            )
+        for p in range(conn, conn + planes):
+            if ports.in_use(p):
+                raise DeploymentError(
+                    f"port {p} (AFD connector rendezvous) is in use or taken by an HTTP "
+                    "port; choose another connector_port or 0 for a free port"
+                )
+        ports.taken.update(range(conn, conn + planes))
     else:
         conn = ports.pick()
+        while any(ports.in_use(p) for p in range(conn + 1, conn + planes)):
+            conn = ports.pick()
+        ports.taken.update(range(conn, conn + planes))
     return http, conn
 
 

@@ -65,6 +65,8 @@ MANAGED_AFD_KEYS = {
     "num_attention_ranks": "num_attention",
     "num_ffn_ranks": "num_ffn",
     "compute_gate_on_attention": "compute_gate_on_attention",
+    "attention_tensor_parallel_size": "attention_tensor_parallel_size",
+    "ffn_expert_parallel": "ffn_expert_parallel",
 }
 
 
@@ -153,6 +155,14 @@ class DeploymentSpec:
     num_attention: int = 1
     num_ffn: int = 1
     compute_gate_on_attention: bool = False
+    ffn_expert_parallel: bool = False
+    """The ``num_ffn`` FFN servers share one expert set (expert parallelism, EP size
+    ``num_ffn``): each holds about 1/num_ffn of the routed experts, every attention rank
+    exchanges with every FFN server (rendezvous ports ``connector_port + f``)."""
+    attention_tensor_parallel_size: int = 1
+    """vLLM tensor-parallel size of each attention rank (``--tensor-parallel-size`` of the
+    attention server; it then has ``num_attention`` x this many workers). TP worker 0 of
+    each rank exchanges with the FFN role and broadcasts the answer to the others."""
     dtype: str = "bfloat16"
     max_model_len: int = 256
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
@@ -194,11 +204,17 @@ class DeploymentSpec:
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
                 raise _fail(name, "an int >= 1", v)
-        if self.num_ffn > self.num_attention:
+        tp = self.attention_tensor_parallel_size
+        if not _is_int(tp) or tp < 1:
+            raise _fail("attention_tensor_parallel_size", "an int >= 1", tp)
+        if not isinstance(self.ffn_expert_parallel, bool):
+            raise _fail("ffn_expert_parallel", "true or false", self.ffn_expert_parallel)
+        if self.num_ffn > self.num_attention and not self.ffn_expert_parallel:
             raise SpecError(
                 f"num_ffn: {self.num_ffn} FFN servers for {self.num_attention} attention servers "
                 "would leave FFN servers without peers (attention rank a talks to FFN rank "
-                "a % num_ffn); use num_ffn <= num_attention"
+                "a % num_ffn); use num_ffn <= num_attention, or ffn_expert_parallel = true "
+                "(every attention rank talks to every FFN server)"
             )
         if self.native and (self.num_attention, self.num_ffn) != (1, 1):
             raise SpecError("native: a native baseline is one server; leave num_attention/num_ffn")
@@ -239,6 +255,16 @@ class DeploymentSpec:
         self.env = check_env("env", self.env)
         for role in AFDRole:
             self._check_role(role)
+        if self.ffn_expert_parallel and self.ray is not None:
+            raise SpecError(
+                "ffn_expert_parallel with [ray] is not supported yet; run the deployment on "
+                "one host (without --ray / [ray])"
+            )
+        if tp > 1 and self.ray is not None:
+            raise SpecError(
+                f"attention_tensor_parallel_size: {tp} with [ray] is not supported yet; run "
+                "the deployment on one host (without --ray / [ray])"
+            )
         if self.attention.devices and self.ffn.devices and not self.native:
             shared = sorted(set(self.attention.devices) & set(self.ffn.devices))
             if shared:
@@ -334,7 +360,7 @@ class DeploymentSpec:
             raise _fail(f"{role}.model", "a checkpoint directory or model name", ov.model)
         ov.vllm_args = check_args(f"{role}.vllm_args", ov.vllm_args)
         ov.env = check_env(f"{role}.env", ov.env)
-        ranks = self.num_ranks(role)
+        ranks = self.num_workers(role)
         ov.devices = check_devices(f"{role}.devices", ov.devices, ranks)
         if ov.devices is not None and CUDA_VISIBLE_DEVICES in ov.env:
             raise SpecError(
@@ -382,6 +408,14 @@ class DeploymentSpec:
     def num_ranks(self, role: AFDRole) -> int:
         return self.num_attention if AFDRole(role) is AFDRole.ATTENTION else self.num_ffn
 
+    def num_workers(self, role: AFDRole) -> int:
+        """vLLM worker processes of the role (each needs its device / CPU list): an
+        attention rank has ``attention_tensor_parallel_size`` of them, in vLLM's [DP, TP]
+        order."""
+        if AFDRole(role) is AFDRole.ATTENTION:
+            return self.num_attention * self.attention_tensor_parallel_size
+        return self.num_ffn
+
     @property
     def connector(self) -> str:
         """The AFD connector: ``[afd] connector``, else :data:`DEFAULT_CONNECTOR` on a CPU
@@ -415,8 +449,11 @@ class DeploymentSpec:
     ) -> dict[str, Any]:
         """``additional_config["afd"]`` of one role process; ``host``: the rendezvous
         host (attention rank 0's address; default: the spec's ``host``)."""
+        tp = self.attention_tensor_parallel_size
         return {
             **self.afd,
+            **({"attention_tensor_parallel_size": tp} if tp > 1 else {}),
+            **({"ffn_expert_parallel": True} if self.ffn_expert_parallel else {}),
             "connector": self.connector,
             "role": AFDRole(role).value,
             "rank": rank,
