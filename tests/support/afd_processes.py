@@ -321,6 +321,16 @@ class HealthWatch(threading.Thread):
                 self.changes.append(seen)
             time.sleep(0.02)
 
+    def wait_for(self, seen: tuple[int | None, str], timeout: float = 30.0) -> bool:
+        """Whether the latest change is ``seen`` within ``timeout`` (the poller may lag
+        behind the server on a busy host)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.changes and self.changes[-1] == seen:
+                return True
+            time.sleep(0.05)
+        return False
+
     def stop(self) -> list[tuple[int | None, str]]:
         self._stop_event.set()
         self.join(5)
