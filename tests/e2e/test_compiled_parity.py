@@ -43,6 +43,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
     pytest.mark.matrix,
+    pytest.mark.compiled,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
 ]
 

@@ -74,7 +74,7 @@ def _strangers_are_refused(tmp: Path) -> Any:
     [
         # DeepSeek-V2: with a token (in a file), and two strangers refused halfway through
         # the prompts. The 1A1F case runs in `nox -s tests-matrix` (CI runs it too); the
-        # DeepSeek-V2 1A1F gate-on-FFN served case is `afd demo` (install-smoke), compiled.
+        # DeepSeek-V2 1A1F gate-on-FFN served case is `afd demo` (install-smoke runs it).
         pytest.param("deepseek_v3", 1, "attention-topk", False, 1, marks=pytest.mark.matrix),
         # 2A1F: in the matrix too; the default run serves the v3 case below through
         # `afd launch` (tests/e2e/test_launch.py, same tokens, gate, m and alias)

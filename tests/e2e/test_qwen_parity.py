@@ -44,7 +44,7 @@ PROMPTS = list(FIXED_PROMPTS[:8])
 
 
 #: Variants also served (2A1F) below: their native engine answers both references.
-SERVED_VARIANTS = ("no_norm_topk",)
+SERVED_VARIANTS = (None, "no_norm_topk")
 
 
 def _native(refs: Any, model: Path, variant: str | None) -> tuple[Any, Any]:
@@ -114,10 +114,11 @@ def native_served(tiny_qwen_models: dict[str | None, Path], native_references: A
 
 @pytest.mark.parametrize(
     ("variant", "gate"),
-    # In `nox -s tests-matrix`: the default run's 2A1F served cases are DeepSeek's; the
-    # default variant's 2A1F gate-on-FFN case is served compiled in float32
-    # (tests/e2e/test_compiled_parity.py).
-    [pytest.param("no_norm_topk", "ffn", marks=MATRIX)],
+    # Both in `nox -s tests-matrix`: the default run's 2A1F served cases are DeepSeek's.
+    [
+        pytest.param(None, "ffn", marks=MATRIX),
+        pytest.param("no_norm_topk", "ffn", marks=MATRIX),
+    ],
 )
 def test_2a1f_served_tokens_equal_native(
     tiny_qwen_models: dict[str | None, Path],
