@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,7 +22,14 @@ from afd_core.profiling import recorder
 from afd_core.transfer import AttentionToFFN, FFNToAttention, dtype_name
 from afd_moe_runners.metrics import AttentionMetrics, attention_metrics
 
-__all__ = ["MicroBatchYield", "PendingExchange", "send_to_ffn", "no_yield", "scheduler_yield"]
+__all__ = [
+    "MicroBatchYield",
+    "PendingExchange",
+    "pop_sent",
+    "send_to_ffn",
+    "no_yield",
+    "scheduler_yield",
+]
 
 MicroBatchYield = Callable[[int, int], None]
 """``hook(layer_idx, micro_batch_idx)``: called after the send, before the receive."""
@@ -147,3 +155,14 @@ def send_to_ffn(payload: AttentionToFFN, *, layer_idx: int) -> PendingExchange:
         metrics=metrics,
         started_ns=t0,
     )
+
+
+def pop_sent(sent: dict[tuple[int, int], Any], label: str, layer_idx: int, mb: int) -> Any:
+    """What a wrapping connector recorded at the send of (``layer_idx``, ``mb``), removed;
+    a receive without a send is a transfer mismatch."""
+    key = (layer_idx, mb)
+    if key not in sent:
+        raise AFDTransferMismatchError(
+            f"{label}: receive for layer {layer_idx} micro-batch {mb} without a send"
+        )
+    return sent.pop(key)

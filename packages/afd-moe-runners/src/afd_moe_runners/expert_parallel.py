@@ -33,9 +33,10 @@ from torch import nn
 
 from afd_core.config import AFDConfig
 from afd_core.connector import AFDConnector, FFNBatch
-from afd_core.errors import AFDConfigError, AFDTransferMismatchError
+from afd_core.errors import AFDConfigError
 from afd_core.topology import expert_shard
 from afd_core.transfer import AttentionToFFN, FFNToAttention
+from afd_moe_runners.exchange import pop_sent
 
 __all__ = [
     "ExpertParallelExchange",
@@ -186,13 +187,7 @@ class ExpertParallelExchange(AFDConnector):
     def recv_from_ffn(
         self, *, layer_idx: int, micro_batch_idx: int = 0, timeout_s: float | None = None
     ) -> FFNToAttention:
-        key = (layer_idx, micro_batch_idx)
-        if key not in self._sent:
-            raise AFDTransferMismatchError(
-                f"{self.label}: receive for layer {layer_idx} micro-batch {micro_batch_idx} "
-                "without a send"
-            )
-        rows, indices = self._sent.pop(key)
+        rows, indices = pop_sent(self._sent, self.label, layer_idx, micro_batch_idx)
         parts = [
             (index, plane.recv_from_ffn(
                 layer_idx=layer_idx, micro_batch_idx=micro_batch_idx, timeout_s=timeout_s

@@ -31,6 +31,7 @@ from afd_core.config import AFDConfig
 from afd_core.connector import AFDConnector, FFNBatch
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.transfer import AttentionToFFN, FFNToAttention
+from afd_moe_runners.exchange import pop_sent
 
 __all__ = ["Broadcast", "TensorParallelExchange", "vllm_tp_broadcast"]
 
@@ -147,13 +148,7 @@ class TensorParallelExchange(AFDConnector):
     def recv_from_ffn(
         self, *, layer_idx: int, micro_batch_idx: int = 0, timeout_s: float | None = None
     ) -> FFNToAttention:
-        key = (layer_idx, micro_batch_idx)
-        if key not in self._sent:
-            raise AFDTransferMismatchError(
-                f"{self.label}: receive for layer {layer_idx} micro-batch {micro_batch_idx} "
-                "without a send"
-            )
-        rows, size, dtype, device = self._sent.pop(key)
+        rows, size, dtype, device = pop_sent(self._sent, self.label, layer_idx, micro_batch_idx)
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=device)
         if self.inner is not None:
             result = self.inner.recv_from_ffn(
