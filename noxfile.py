@@ -136,7 +136,7 @@ def tests(session: nox.Session) -> None:
     large matrix its representative cases (the rest: ``tests-matrix``)."""
     sync(session, *TEST_VENV_GROUPS, *TEST_VENV_EXTRAS)
     # The 30 slowest tests end the report: where the suite's time goes (docs/development.md).
-    selection = "not gpu and not npu and not matrix and not compiled"
+    selection = "not gpu and not npu and not matrix and not compiled and not extended"
     pytest(session, "packages", "tests", "-m", selection, "--durations=30", workers=PYTEST_WORKERS)
 
 
@@ -159,17 +159,34 @@ def tests_matrix(session: nox.Session) -> None:
         env={"UV_PROJECT_ENVIRONMENT": str(venv), **({"UV_FIND_LINKS": links} if links else {})},
     )  # fmt: skip
     pytest(
-        session, "packages", "tests", "-m", "matrix and not gpu and not npu and not compiled",
+        session, "packages", "tests", "-m",
+        "matrix and not gpu and not npu and not compiled and not extended",
         "--durations=20", python=str(venv / "bin" / "python"), workers=PYTEST_WORKERS,
+    )  # fmt: skip
+
+
+@nox.session(name="tests-extended", venv_backend="none")
+def tests_extended(session: nox.Session) -> None:
+    """The cases left out of CI for its time budget (``@pytest.mark.extended``: more
+    families, gate placements and parallel layouts of the matrices whose other cases CI
+    runs), in the ``tests`` session's venv (run ``nox -s tests`` once first). Run it
+    before a release and when the code its cases cover changes (docs/development.md)."""
+    python = ROOT / ".nox" / "tests" / "bin" / "python"
+    if not python.exists():
+        session.error("run `nox -s tests` first: this session uses its venv")
+    pytest(
+        session, "packages", "tests", "-m", "extended and not gpu and not npu and not compiled",
+        "--durations=20", python=str(python), workers=PYTEST_WORKERS,
     )  # fmt: skip
 
 
 @nox.session(name="tests-compiled", venv_backend="none")
 def tests_compiled(session: nox.Session) -> None:
     """The end-to-end runs in vLLM's compile mode (``@pytest.mark.compiled``), in the
-    ``tests`` session's venv (run ``nox -s tests`` once first). Not in CI yet: in the CI
-    run of 2026-12-02 an ``afd launch`` deployment that asked for vLLM's default compile
-    mode got ``CompilationMode.NONE`` (docs/development.md)."""
+    ``tests`` session's venv (run ``nox -s tests`` once first). By hand: each case compiles
+    a native reference and its roles, minutes CI's budget does not have; CI serves
+    compiled in install-smoke's ``afd demo``, which fails if its Attention role ran eager
+    (docs/development.md)."""
     python = ROOT / ".nox" / "tests" / "bin" / "python"
     if not python.exists():
         session.error("run `nox -s tests` first: this session uses its venv")

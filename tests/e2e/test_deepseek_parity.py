@@ -27,8 +27,11 @@ from afd.reference import FIXED_PROMPTS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
-# Cases marked MATRIX run in `nox -s tests-matrix` (CI runs it after the default run).
+# Cases marked MATRIX run in `nox -s tests-matrix` (CI runs it after the default run),
+# EXTENDED ones by hand.
 MATRIX = pytest.mark.matrix
+#: Out of CI for its time budget (`nox -s tests-extended`, docs/development.md).
+EXTENDED = pytest.mark.extended
 
 ALIASES = {"deepseek_v2": "AFDDeepseekV2ForCausalLM", "deepseek_v3": "AFDDeepseekV3ForCausalLM"}
 
@@ -75,10 +78,10 @@ def _install_third_party(site: Path) -> None:
     ("arch", "gate", "connector"),
     [
         ("deepseek_v2", "ffn", THIRD_PARTY),
-        pytest.param("deepseek_v2", "attention-topk", "P2pGlooAFDConnector", marks=MATRIX),
+        pytest.param("deepseek_v2", "attention-topk", "P2pGlooAFDConnector", marks=EXTENDED),
         # shm: the default of `afd launch`, served by default in test_launch.py
-        pytest.param("deepseek_v2", "ffn", "P2pShmAFDConnector", marks=MATRIX),
-        pytest.param("deepseek_v3", "ffn", "P2pGlooAFDConnector", marks=MATRIX),
+        pytest.param("deepseek_v2", "ffn", "P2pShmAFDConnector", marks=EXTENDED),
+        pytest.param("deepseek_v3", "ffn", "P2pGlooAFDConnector", marks=EXTENDED),
         ("deepseek_v3", "attention-topk", "P2pGlooAFDConnector"),
         pytest.param("deepseek_v3", "attention-router_logits", "P2pGlooAFDConnector", marks=MATRIX),
     ],

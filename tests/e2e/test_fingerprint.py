@@ -82,7 +82,7 @@ def _assert_refused(ffn: FFNServer, attention: Server, took: float, fields: list
     assert took < 10.0, f"the roles took {took:.1f} s to stop after meeting"
 
 
-@pytest.mark.matrix  # runs in `nox -s tests-matrix` (CI runs it too)
+@pytest.mark.extended  # out of CI for its time budget (`nox -s tests-extended`)
 def test_ffn_on_another_architecture(
     tiny_models: dict[str, Path], tiny_qwen_models: dict[str | None, Path], tmp_path: Path
 ) -> None:
@@ -110,7 +110,7 @@ def test_ffn_on_other_weights(
     assert "architecture:" not in line and "dtype:" not in line, line
 
 
-@pytest.mark.matrix  # runs in `nox -s tests-matrix` (CI runs it too)
+@pytest.mark.extended  # out of CI for its time budget (`nox -s tests-extended`)
 def test_ffn_with_another_dtype_and_other_routing_settings(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:

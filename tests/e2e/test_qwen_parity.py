@@ -63,20 +63,23 @@ def native_tokens(tiny_qwen_models: dict[str | None, Path], native_references: A
     return get
 
 
-# Cases marked MATRIX run in `nox -s tests-matrix` (CI runs it after the default run).
+# Cases marked MATRIX run in `nox -s tests-matrix` (CI runs it after the default run),
+# EXTENDED ones by hand.
 MATRIX = pytest.mark.matrix
+#: Out of CI for its time budget (`nox -s tests-extended`, docs/development.md).
+EXTENDED = pytest.mark.extended
 
 
 @pytest.mark.parametrize(
     ("variant", "gate"),
     [
         # Gate on FFN through the generic path runs by default with Mixtral
-        # (test_generic_families); every Qwen case of it in `tests-matrix`. The default
+        # (test_generic_families); these Qwen cases are `extended` (by hand). The default
         # and no_norm_topk variants with the gate on FFN run served, 2A1F (below): each
         # (variant, gate) pair runs once.
-        pytest.param(None, "attention-topk", marks=MATRIX),
-        pytest.param("no_norm_topk", "attention-topk", marks=MATRIX),
-        pytest.param("dense_layers", "ffn", marks=MATRIX),
+        pytest.param(None, "attention-topk", marks=EXTENDED),
+        pytest.param("no_norm_topk", "attention-topk", marks=EXTENDED),
+        pytest.param("dense_layers", "ffn", marks=EXTENDED),
         ("dense_layers", "attention-topk"),
     ],
 )
@@ -114,9 +117,9 @@ def native_served(tiny_qwen_models: dict[str | None, Path], native_references: A
 
 @pytest.mark.parametrize(
     ("variant", "gate"),
-    # Both in `nox -s tests-matrix`: the default run's 2A1F served cases are DeepSeek's.
+    # no_norm_topk in `nox -s tests-matrix` (CI); the default variant `extended`.
     [
-        pytest.param(None, "ffn", marks=MATRIX),
+        pytest.param(None, "ffn", marks=EXTENDED),
         pytest.param("no_norm_topk", "ffn", marks=MATRIX),
     ],
 )

@@ -13,7 +13,8 @@ role's guard), no actor or placement group of the deployment in the cluster.
   stops the rest and exits 1.
 
 Ray is the meta package's ``ray`` extra: without it the module is skipped with the reason
-(``nox -s tests-matrix`` installs it, and runs these tests).
+(``nox -s tests-matrix`` installs it, and runs the 2A1F test; the 1A1F one is
+``extended``, out of CI for its time budget).
 """
 
 from __future__ import annotations
@@ -35,7 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from afd_processes import Launcher, assert_same_tokens, free_port, group_pgid_members
+from afd_processes import (
+    Launcher,
+    assert_same_tokens,
+    child_environ,
+    free_port,
+    group_pgid_members,
+)
 
 from afd.reference import FIXED_PROMPTS
 
@@ -92,7 +99,7 @@ class RayCluster:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.env},
+            env={**child_environ(), **self.env},
             start_new_session=True,
         )
         deadline = time.monotonic() + 120
@@ -118,7 +125,7 @@ class RayCluster:
             [sys.executable, "-c", prologue + code],
             capture_output=True,
             text=True,
-            env={**os.environ, **self.env},
+            env={**child_environ(), **self.env},
             timeout=timeout,
             check=False,
         )
@@ -255,6 +262,7 @@ def _assert_nothing_left(cluster: RayCluster, launcher: Launcher, model: Path) -
     assert cluster.afd_left() == {"actors": [], "placement_groups": []}
 
 
+@pytest.mark.extended  # out of CI for its time budget (`nox -s tests-extended`)
 def test_ray_1a1f_parity_then_sigterm_leaves_nothing(
     ray_cluster: RayCluster,
     ray_model: Path,

@@ -6,10 +6,10 @@ tests/support/afd_role_models.py.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from afd_processes import child_environ
 from afd_role_models import build_role_model, run_probe, run_role_model_build
 
 pytestmark = [pytest.mark.vllm]
@@ -131,7 +131,7 @@ def test_qwen3_moe_ffn_compute_is_model_independent(
     tiny_qwen_models: dict[str, Path], tmp_path: Path
 ) -> None:
     """The FFN role serves vLLM's own Qwen blocks and runner through FFNLayerCompute."""
-    env = {**os.environ, "TMPDIR": str(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**child_environ(), "TMPDIR": str(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     result = run_probe(PROBE, str(tiny_qwen_models["dense_layers"]), env=env)
     assert result["compute_module"] == "afd_moe_runners.ffn_compute"
@@ -168,7 +168,7 @@ def test_qwen3_5_moe_is_inspected_in_vllm_registry_subprocess(tmp_path: Path) ->
     """vLLM inspects a model class in a subprocess of its own (``python -m
     vllm.model_executor.models.registry``) that imports the model file after loading the
     general plugins; a fresh VLLM_CACHE_ROOT makes it run instead of reading its cache."""
-    env = {**os.environ, "TMPDIR": str(tmp_path), "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
+    env = {**child_environ(), "TMPDIR": str(tmp_path), "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
     archs = ["Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"]
     result = run_probe(INSPECT, *archs, env=env)
     assert result == {

@@ -31,12 +31,67 @@ def free_port() -> int:
     return pick("127.0.0.1")
 
 
+#: Variables a test sets on purpose (``monkeypatch.setenv``) for the processes it starts.
+_SET_BY_TESTS = (
+    "AFD_",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CACHE_ROOT",
+    "PYTHONPATH",
+    "PATH",
+    "PROMETHEUS_MULTIPROC_DIR",
+    "TMPDIR",
+    "CUDA_VISIBLE_DEVICES",
+    "PYTHONUNBUFFERED",
+)
+
+
+def _environ_at_start() -> dict[str, str] | None:
+    """This process's environment as it started (``/proc/self/environ``; None elsewhere)."""
+    try:
+        raw = Path("/proc/self/environ").read_bytes()
+    except OSError:
+        return None
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="surrogateescape")] = value.decode(errors="surrogateescape")
+    return env
+
+
+_START_ENV = _environ_at_start()
+
+
+def child_environ() -> dict[str, str]:
+    """The environment of a process a test starts: this test process's environment as it
+    started, with what tests set on purpose (:data:`_SET_BY_TESTS`), and without what
+    vLLM and torch wrote into ``os.environ`` while other tests ran them in this process.
+
+    That drift is real and silent: building a DeepSeek-V3.2 config in-process (the sparse
+    attention test) sets ``VLLM_USE_BREAKABLE_CUDAGRAPH=1``, and every vLLM started from
+    that pytest worker afterwards runs with ``CompilationMode.NONE`` (a compiled
+    deployment runs eager); vLLM's CPU platform sets ``LOCAL_WORLD_SIZE``, ``LD_PRELOAD``
+    and ``VLLM_WORKER_MULTIPROC_METHOD``, inductor its cache folder and threads.
+    """
+    env = dict(os.environ)
+    if _START_ENV is None:
+        return env
+    for key in set(env) | set(_START_ENV):
+        if env.get(key) == _START_ENV.get(key) or key.startswith(_SET_BY_TESTS):
+            continue
+        if key in _START_ENV:
+            env[key] = _START_ENV[key]
+        else:
+            del env[key]
+    return env
+
+
 def role_env(tmp: Path, devices: str | None = None) -> dict[str, str]:
     """A role's environment; ``devices``: its ``CUDA_VISIBLE_DEVICES`` (None: unchanged)."""
     from afd.launch import role_tmp_dir
 
     # pytest's tmp paths can be too long for vLLM's IPC socket names.
-    env = {**os.environ, "TMPDIR": str(role_tmp_dir(tmp)), "PYTHONUNBUFFERED": "1"}
+    env = {**child_environ(), "TMPDIR": str(role_tmp_dir(tmp)), "PYTHONUNBUFFERED": "1"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
@@ -525,7 +580,7 @@ class Launcher:
     def __init__(
         self, spec: Path, tmp: Path, *args: str, env: dict[str, str] | None = None
     ) -> None:
-        full = {**os.environ, "TMPDIR": str(tmp), **(env or {})}
+        full = {**child_environ(), "TMPDIR": str(tmp), **(env or {})}
         full.setdefault("VLLM_CACHE_ROOT", str(Path(__file__).parents[2] / ".cache" / "vllm"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "afd.cli", "launch", str(spec), *args],

@@ -225,3 +225,58 @@ def test_an_attention_tp_size_the_ffn_side_was_not_started_for_is_refused() -> N
         assert "attention_tp: attention rank 0 has '2', ffn rank 0 has '1'" in message
         assert len(message.splitlines()) == 1
         assert took[g] < 10.0
+
+
+def test_two_processes_claiming_one_rank_while_assembling_stop_the_host() -> None:
+    """Two FFN processes started with the same afd.rank (one expert shard) while the
+    deployment assembles: the second is refused, and the host stops at once with one
+    error naming the rank, the shard and both claimants, instead of waiting out
+    afd.connect_timeout_s for the rank nobody started."""
+    topology = AFDTopology(2, 1)  # global ranks: attention 0, attention 1, ffn 0
+    port = free_port()
+    # Expert plane 0 of FFN EP2 (afd_moe_runners.expert_parallel): its attention ranks
+    # carry the shard they talk to in their fingerprint too.
+    ffn_identity = {**IDENTITY, "expert_shard": "0/2"}
+    results: dict[str, Any] = {}
+    took: dict[str, float] = {}
+
+    def run(name: str, g: int, identity: Mapping[str, str]) -> None:
+        t0 = time.monotonic()
+        try:
+            results[name] = _join(port, g, topology, identity=identity)
+        except Exception as exc:
+            results[name] = exc
+        took[name] = time.monotonic() - t0
+
+    # Attention rank 1 never comes: the deployment is still assembling when the second
+    # FFN process says hello.
+    host = threading.Thread(target=run, args=("host", 0, ffn_identity))  # plane 0's host
+    host.start()
+    first = threading.Thread(target=run, args=("first", 2, ffn_identity))
+    first.start()
+    # The first claimant is admitted (its verdict written; it then waits for attention
+    # rank 1) before the second one says hello.
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    watcher = TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=10), wait_for_workers=False)
+    watcher.wait(["afd-admit/verdict/1"], timedelta(seconds=10))
+    assert b'"ok": true' in watcher.get("afd-admit/verdict/1")
+    second = threading.Thread(target=run, args=("second", 2, ffn_identity))
+    second.start()
+    for t in (host, first, second):
+        t.join(timeout=30)
+    assert isinstance(results["second"], AFDAdmissionError), results
+    assert "ffn rank 0 is already connected" in str(results["second"])
+    host_error = results["host"]
+    assert isinstance(host_error, AFDAdmissionError), results
+    text = str(host_error)
+    for part in ("ffn rank 0 is already connected", "expert shard 0/2", "a second process"):
+        assert part in text, text
+    assert "afd.rank (0..1)" in text, text  # the EP size, from the shard
+    assert text.count(" pid ") == 2, text  # both claimants named
+    assert took["host"] < 10.0, took
+    # The admitted one fails too once the host is gone (here a thread of this process:
+    # the host's store lives until collected, so no time bound is asserted for it).
+    assert isinstance(results["first"], Exception), results

@@ -503,6 +503,22 @@ def test_compare_tokens() -> None:
     assert compare_tokens([[1, 2]], [[1, 2, 3]]) == [2]
 
 
+def test_the_demo_fails_a_compiled_deployment_that_ran_eager(tmp_path: Path) -> None:
+    """`afd demo` (install-smoke runs it in CI) asks for vLLM's compile mode: an Attention
+    log without the exchange op's first-call line is a failure, not a pass."""
+    from afd.demo import compiled_problem
+    from afd_moe_runners.exchange_op import COMPILED_LOG
+
+    compiled = DeploymentSpec(model="/m")
+    (tmp_path / "attn.log").write_text("INFO ... CompilationMode.NONE ...\n")
+    problem = compiled_problem(compiled, tmp_path)
+    assert problem is not None and "ran eager" in problem and "attn.log" in problem
+    assert "VLLM_USE_BREAKABLE_CUDAGRAPH" in problem
+    assert compiled_problem(compiled.replace(enforce_eager=True), tmp_path) is None
+    (tmp_path / "attn.log").write_text(f"INFO afd ... {COMPILED_LOG}\n")
+    assert compiled_problem(compiled, tmp_path) is None
+
+
 def test_percentile_and_table() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 99) == 5.0

@@ -20,7 +20,9 @@ A refused process gets one clear error (:class:`~afd_core.errors.AFDAdmissionErr
 or :class:`~afd_core.errors.AFDFingerprintMismatchError` naming each differing field
 with both values); the host logs the refusal and keeps serving. While the deployment is
 still assembling, a fingerprint mismatch also stops the host: a deployment that was
-started on two different checkpoints must not come up at all.
+started on two different checkpoints must not come up at all; so does a second process
+claiming a rank (an FFN expert shard) that is already admitted, as the rank it left out
+would never come.
 
 What this protects and what it does not is written down in docs/security.md: the
 token authenticates who joins; the tensor traffic itself is not encrypted.
@@ -214,14 +216,16 @@ class AdmissionDesk:
         """Answer every hello that has arrived.
 
         Raises :class:`AFDFingerprintMismatchError` when a rank of a deployment that is
-        still assembling loaded something else (after that rank read its verdict).
+        still assembling loaded something else, :class:`AFDAdmissionError` when a second
+        process claims a rank that is already admitted while it assembles (after the
+        refused rank read its verdict).
         """
         with self._lock:
             mismatch = self._service()
         if mismatch is not None:
             raise mismatch
 
-    def _service(self) -> AFDFingerprintMismatchError | None:
+    def _service(self) -> AFDConfigError | None:
         store = self._store
         issued = int(store.add(_PREFIX + "ticket", 0))
         now = time.monotonic()
@@ -240,7 +244,7 @@ class AdmissionDesk:
                 return mismatch
         return None
 
-    def _answer(self, number: int, raw: bytes) -> AFDFingerprintMismatchError | None:
+    def _answer(self, number: int, raw: bytes) -> AFDConfigError | None:
         try:
             hello = json.loads(raw)
             role = AFDRole(hello["role"])
@@ -256,6 +260,7 @@ class AdmissionDesk:
             return None
         who = _describe(role.value, rank)
         reason: str | None = None
+        duplicate = False
         kind = "token"
         if self._token is None:
             if proof:
@@ -285,7 +290,21 @@ class AdmissionDesk:
                 )
             elif global_rank in self.admitted:
                 reason = f"{who} is already connected ({self.admitted[global_rank]})"
-        mismatch: AFDFingerprintMismatchError | None = None
+                if not self.complete:
+                    # Two processes started with one rank (and so one expert shard) while
+                    # the deployment assembles: the rank they left out never comes, so the
+                    # host stops now instead of waiting out afd.connect_timeout_s.
+                    shard = fingerprint.get("expert_shard", "")
+                    _, _, of = shard.partition("/")  # "f/n": expert plane f of n FFN ranks
+                    ranks = int(of) if of.isdigit() else self.topology.size_of(role)
+                    reason += (
+                        f"; a second process ({claim}) claims it"
+                        + (f" (expert shard {shard})" if shard else "")
+                        + f" while {self.topology.label} assembles: start each "
+                        f"{role.value} rank with its own afd.rank (0..{ranks - 1})"
+                    )
+                    duplicate = True
+        mismatch: AFDConfigError | None = None
         if reason is None:
             diffs = differences(
                 self.fingerprint,
@@ -304,6 +323,8 @@ class AdmissionDesk:
                     mismatch = AFDFingerprintMismatchError(
                         f"AFD admission at {self._where}: refused {who}: {reason}"
                     )
+        if duplicate:
+            mismatch = AFDAdmissionError(f"AFD admission at {self._where}: refused {who}: {reason}")
         if reason is not None:
             self.refused += 1
             self._verdict(number, cnonce, kind, reason)

@@ -219,6 +219,12 @@ def run_demo(args: Any) -> int:
                 t0 = time.monotonic()
                 afd_ids, afd_texts = complete_each(afd.url, prompts, args.max_tokens)
                 phase("afd generate", t0)
+                eager_problem = compiled_problem(spec, afd.log_dir)
+                if eager_problem:
+                    say(f"FAIL: {eager_problem}")
+                    code = 1
+                elif not spec.enforce_eager:
+                    say("the Attention role ran vLLM's compiled model (the exchange as its op)")
                 t0 = time.monotonic()
             phase("afd stop", t0)
             say(
@@ -267,12 +273,37 @@ def run_demo(args: Any) -> int:
     n_same = sum(d is None for d in diffs)
     timings["total"] = time.monotonic() - t_total
     say("timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
-    if ok:
+    if ok and code == 0:
         say(f"PASS: {n_same}/{len(prompts)} prompts token-identical to native vLLM")
+    elif ok:
+        say(f"FAIL: {n_same}/{len(prompts)} prompts token-identical, but see above")
     else:
         say(f"FAIL: {len(prompts) - n_same}/{len(prompts)} prompts differ from native vLLM")
         code = 1
     return code
+
+
+def compiled_problem(spec: DeploymentSpec, log_dir: Path | None) -> str | None:
+    """Why a deployment that asked for vLLM's compile mode did not run its Attention role
+    compiled (its log lacks the exchange op's first-call line), or None (it did, it ran
+    eager as asked, or there is no log to read). A compiled deployment must not fall
+    back to eager silently: e.g. ``VLLM_USE_BREAKABLE_CUDAGRAPH=1`` or
+    ``TORCH_COMPILE_DISABLE=1`` in the environment turn vLLM's compile mode off."""
+    from afd_moe_runners.exchange_op import COMPILED_LOG
+
+    if spec.enforce_eager or log_dir is None:
+        return None
+    logs = sorted(log_dir.glob("attn*.log"))
+    if not logs:
+        return None
+    text = "\n".join(p.read_text(errors="replace") for p in logs)
+    if COMPILED_LOG in text:
+        return None
+    return (
+        "AFD was asked for vLLM's compile mode, but its Attention role ran eager (no "
+        f"{COMPILED_LOG!r} line in {', '.join(p.name for p in logs)}): check "
+        "VLLM_USE_BREAKABLE_CUDAGRAPH and TORCH_COMPILE_DISABLE in the environment"
+    )
 
 
 def demo_spec(model: str | os.PathLike[str], args: Any) -> DeploymentSpec:

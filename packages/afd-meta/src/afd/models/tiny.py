@@ -821,6 +821,19 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _pin_model_type(config_json: Path, model_type: str) -> None:
+    """Write the family's ``model_type`` into a saved config. transformers writes the config
+    class's ``model_type`` attribute, and vLLM's config loader reassigns that attribute in
+    the process that loads a checkpoint (vllm/transformers_utils/config.py,
+    ``_register_config_class``: after loading a DeepSeek-V3.2 checkpoint,
+    ``DeepseekV3Config.model_type`` is ``"deepseek_v32"``), so a checkpoint generated in
+    such a process would otherwise name another family."""
+    config = json.loads(config_json.read_text())
+    if config.get("model_type") != model_type:
+        config["model_type"] = model_type
+        config_json.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def generate_tiny_checkpoint(
     arch: str,
     out_dir: Path | str,
@@ -873,6 +886,7 @@ def generate_tiny_checkpoint(
             if name in keep_fp32:
                 b.data = keep_fp32[name]
         model.save_pretrained(str(tmp))
+        _pin_model_type(tmp / "config.json", arch)
         _save_tokenizer(tmp, model_max_length=cfg_kwargs["max_position_embeddings"])
 
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
