@@ -280,3 +280,64 @@ def test_two_processes_claiming_one_rank_while_assembling_stop_the_host() -> Non
     # The admitted one fails too once the host is gone (here a thread of this process:
     # the host's store lives until collected, so no time bound is asserted for it).
     assert isinstance(results["first"], Exception), results
+
+
+def test_a_shard_claimed_twice_at_one_expert_plane_stops_the_plane_still_waiting() -> None:
+    """FFN EP2: attention rank 0 hosts one rendezvous per expert plane (port + f), one after
+    another, inside ``assembling()``. Two FFN processes both started as rank 0 meet at
+    plane 0, which is complete once the first is admitted; the second is refused there,
+    and plane 1 (waiting for the FFN rank 1 nobody started) stops at once with that error
+    instead of waiting out afd.connect_timeout_s."""
+    from afd_core.admission import assembling
+
+    topology = AFDTopology(1, 1)  # each plane: attention 0, ffn 0
+    base = free_port()
+    plane_ports = [base, free_port()]
+    results: dict[str, Any] = {}
+    took: dict[str, float] = {}
+
+    def host() -> None:
+        t0 = time.monotonic()
+        joined = []
+        try:
+            with assembling():
+                for f, port in enumerate(plane_ports):
+                    identity = {**IDENTITY, "expert_shard": f"{f}/2"}
+                    joined.append(_join(port, 0, topology, identity=identity))
+            results["host"] = joined
+        except Exception as exc:
+            results["host"] = exc
+        finally:
+            for j in joined:
+                j[3].stop()
+        took["host"] = time.monotonic() - t0
+
+    def ffn(name: str) -> None:
+        try:
+            shard0 = {**IDENTITY, "expert_shard": "0/2"}
+            results[name] = _join(plane_ports[0], 1, topology, identity=shard0)
+        except Exception as exc:
+            results[name] = exc
+
+    threads = [threading.Thread(target=host), threading.Thread(target=ffn, args=("first",))]
+    for t in threads:
+        t.start()
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    watcher = TCPStore(
+        "127.0.0.1", plane_ports[0], 1, False, timedelta(seconds=10), wait_for_workers=False
+    )
+    watcher.wait(["afd-admit/verdict/1"], timedelta(seconds=10))
+    second = threading.Thread(target=ffn, args=("second",))
+    second.start()
+    for t in (*threads, second):
+        t.join(timeout=30)
+    assert isinstance(results["second"], AFDAdmissionError), results
+    error = results["host"]
+    assert isinstance(error, AFDAdmissionError), results
+    text = str(error)
+    assert "ffn rank 0 is already connected" in text and "expert shard 0/2" in text, text
+    assert "afd.rank (0..1)" in text, text
+    assert took["host"] < 10.0, took  # afd.connect_timeout_s is 10 here

@@ -41,7 +41,8 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -64,6 +65,7 @@ __all__ = [
     "AdmissionDesk",
     "KeyValueStore",
     "apply_for_admission",
+    "assembling",
     "config_fields",
     "generate_token",
     "resolve_token",
@@ -166,6 +168,56 @@ def _fingerprint(config: AFDConfig, identity: Mapping[str, str] | None) -> dict[
     return fields
 
 
+class _Assembly:
+    """A deployment this process is assembling over several rendezvous (see
+    :func:`assembling`): what any of its desks refused as a second claim of a taken rank."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+
+_assembly: _Assembly | None = None
+_assembly_lock = threading.Lock()
+
+
+@contextmanager
+def assembling() -> Iterator[None]:
+    """While the block runs, this process hosts one deployment over several rendezvous
+    (attention rank 0 of FFN expert parallelism hosts one per expert plane, joined one
+    after another): a second process claiming a rank that one of them already admitted
+    (two FFN processes started with one ``afd.rank``, so one expert shard) stops every
+    rendezvous still waiting, as the rank that claimant left out will never come. Outside
+    the block a late claim of a taken rank is refused and the deployment keeps serving.
+    """
+    global _assembly
+    with _assembly_lock:
+        previous, _assembly = _assembly, _Assembly()
+    try:
+        yield
+    finally:
+        with _assembly_lock:
+            _assembly = previous
+
+
+def _assembly_problems() -> list[str]:
+    with _assembly_lock:
+        return list(_assembly.problems) if _assembly is not None else []
+
+
+def _assembling() -> bool:
+    with _assembly_lock:
+        return _assembly is not None
+
+
+def _note_assembly_problem(message: str) -> bool:
+    """Record ``message`` for the assembly in progress (False: none is)."""
+    with _assembly_lock:
+        if _assembly is None:
+            return False
+        _assembly.problems.append(message)
+        return True
+
+
 @dataclass
 class _Ticket:
     number: int
@@ -224,6 +276,10 @@ class AdmissionDesk:
             mismatch = self._service()
         if mismatch is not None:
             raise mismatch
+        if not self.complete:
+            problems = _assembly_problems()
+            if problems:  # another rendezvous of this deployment saw a rank claimed twice
+                raise AFDAdmissionError(problems[0])
 
     def _service(self) -> AFDConfigError | None:
         store = self._store
@@ -290,10 +346,12 @@ class AdmissionDesk:
                 )
             elif global_rank in self.admitted:
                 reason = f"{who} is already connected ({self.admitted[global_rank]})"
-                if not self.complete:
+                if not self.complete or _assembling():
                     # Two processes started with one rank (and so one expert shard) while
-                    # the deployment assembles: the rank they left out never comes, so the
-                    # host stops now instead of waiting out afd.connect_timeout_s.
+                    # the deployment assembles (this rendezvous, or another one of this
+                    # process's deployment: `assembling`): the rank they left out never
+                    # comes, so the host stops now instead of waiting out
+                    # afd.connect_timeout_s.
                     shard = fingerprint.get("expert_shard", "")
                     _, _, of = shard.partition("/")  # "f/n": expert plane f of n FFN ranks
                     ranks = int(of) if of.isdigit() else self.topology.size_of(role)
@@ -324,7 +382,11 @@ class AdmissionDesk:
                         f"AFD admission at {self._where}: refused {who}: {reason}"
                     )
         if duplicate:
-            mismatch = AFDAdmissionError(f"AFD admission at {self._where}: refused {who}: {reason}")
+            message = f"AFD admission at {self._where}: refused {who}: {reason}"
+            if not self.complete:
+                mismatch = AFDAdmissionError(message)
+            else:  # this rendezvous is complete; the one still waiting stops on it
+                _note_assembly_problem(message)
         if reason is not None:
             self.refused += 1
             self._verdict(number, cnonce, kind, reason)

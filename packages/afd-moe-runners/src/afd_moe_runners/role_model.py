@@ -436,6 +436,7 @@ class RoleRuntime:
         identity = role_identity(model, vllm_config, afd)
         if not afd.ffn_expert_parallel:
             return create_connector(afd, rank=self.rank, identity=identity)
+        from afd_core.admission import assembling
         from afd_moe_runners.expert_parallel import (
             ExpertParallelExchange,
             has_shared_experts,
@@ -443,14 +444,17 @@ class RoleRuntime:
         )
 
         n = afd.num_ffn_ranks
-        planes = [
-            create_connector(
-                afd.expert_plane(f),
-                rank=self.rank,
-                identity={**identity, "expert_shard": f"{f}/{n}"},
-            )
-            for f in range(n)
-        ]
+        # One rendezvous per expert plane, joined one after another: a rank claimed twice
+        # at a plane that already assembled stops the planes still waiting (`assembling`).
+        with assembling():
+            planes = [
+                create_connector(
+                    afd.expert_plane(f),
+                    rank=self.rank,
+                    identity={**identity, "expert_shard": f"{f}/{n}"},
+                )
+                for f in range(n)
+            ]
         text = vllm_config.model_config.hf_text_config
         return ExpertParallelExchange(
             afd,
