@@ -28,6 +28,19 @@ What it runs, each part in fresh spawned processes (one per AFD rank):
    a CUDA graph and replayed: the replay skips the exchange's host code (the counter does
    not move), which is why full CUDA graphs are refused and piecewise graphs split at the
    op (docs/architecture.md, "Compiled execution").
+5. ``micro_batch_threads`` (in this process; torch only): a thread started by the
+   micro-batch scheduler's helper (afd_moe_runners.micro_batch_threads) from a thread on
+   a non-default stream of the last GPU must see that device and stream; its work (a
+   ~0.1 s sleep kernel, then a fill) is still running when the starter, after joining
+   it, queues the merge (a sum) behind ``wait_for_threads``, and the merge must see the
+   fill.
+6. ``nccl_send_timeout``: a real 1A1F deployment on GPUs 0 and 1 (skipped, saying so,
+   with fewer than 2 GPUs: NCCL refuses two ranks on one GPU). After one full round trip
+   (both communicators exist) the attention rank sends two 14 MiB messages that the FFN
+   never receives; staging the second one settles the first NCCL send, which must time
+   out after ``transfer_timeout_s`` (2 s) with ``AFDTimeoutError``, abort both
+   communicators (recorded by a test-only subclass) and leave the device able to
+   synchronize.
 
 Prints one JSON document (also written to ``--out``). This is a tool, not a test: the
 GPU-marked tests need one GPU per rank (see docs/gpu.md).
@@ -54,7 +67,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _connector(kind: str, role: str, rank: int, a: int, f: int, port: int, timeout: float) -> Any:
+def _connector(
+    kind: str, role: str, rank: int, a: int, f: int, port: int, timeout: float, device: int = 0
+) -> Any:
     from afd_connectors_gpu.p2p import P2pNcclAFDConnector
     from afd_core.config import AFDConfig
 
@@ -64,7 +79,17 @@ def _connector(kind: str, role: str, rank: int, a: int, f: int, port: int, timeo
         def _device_identity(self) -> str | None:
             return None
 
-    cls = P2pNcclAFDConnector if kind == "real" else SameGpuNccl
+    class AbortRecordingNccl(P2pNcclAFDConnector):
+        """Test-only: records the directions of the communicators it aborts."""
+
+        aborted: tuple[str, ...] = ()
+
+        def _abort_nccl(self, group: Any) -> None:
+            self.aborted = tuple(sorted(group.nccl))
+            super()._abort_nccl(group)
+
+    classes = {"real": P2pNcclAFDConnector, "same": SameGpuNccl, "recording": AbortRecordingNccl}
+    cls = classes[kind]
     config = AFDConfig(
         role=role,
         connector="P2pNcclAFDConnector",
@@ -75,7 +100,7 @@ def _connector(kind: str, role: str, rank: int, a: int, f: int, port: int, timeo
         connect_timeout_s=60.0,
         transfer_timeout_s=timeout,
         num_micro_batches=2,
-        connector_extra_config={"device": 0, "max_num_tokens": 1024},
+        connector_extra_config={"device": device, "max_num_tokens": 1024},
     )
     return cls(config, rank=rank)
 
@@ -167,10 +192,49 @@ def _rank_main(part: str, role: str, rank: int, a: int, f: int, port: int, q: An
                 result["error"] = f"{type(exc).__name__}: {exc}"
             result["detected_after_s"] = round(time.monotonic() - t0, 2)
             conn.close()
+        elif part == "send_timeout":
+            _send_timeout_rank(role, rank, a, f, port, result)
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-3000:]
     q.put(result)
+
+
+def _send_timeout_rank(
+    role: str, rank: int, a: int, f: int, port: int, result: dict[str, Any]
+) -> None:
+    """Part 6, one rank (attention on cuda:0, FFN on cuda:1): see the module docstring."""
+    import torch
+
+    from afd_core.transfer import AttentionToFFN, FFNToAttention
+
+    device = 0 if role == "attention" else 1
+    conn = _connector("recording", role, rank, a, f, port, 2.0, device=device)
+    conn.init()
+    if role == "ffn":
+        batch = conn.recv_from_attention()
+        conn.send_to_attention(batch, FFNToAttention(batch.payload.hidden_states))
+        time.sleep(10.0)  # never receives layers 1 and 2
+        conn.close()
+        result["error"] = None
+        return
+    h = torch.ones(8, HIDDEN, device=f"cuda:{device}", dtype=torch.bfloat16)
+    conn.send_to_ffn(AttentionToFFN(h), layer_idx=0)
+    conn.recv_from_ffn(layer_idx=0)  # both communicators now exist
+    big = torch.ones(1024, 7168, device=f"cuda:{device}", dtype=torch.bfloat16)  # 14 MiB
+    t0 = time.monotonic()
+    try:
+        conn.send_to_ffn(AttentionToFFN(big), layer_idx=1)
+        conn.send_to_ffn(AttentionToFFN(big), layer_idx=2)  # same buffer: settles layer 1
+        result["error"] = None
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    result["detected_after_s"] = round(time.monotonic() - t0, 2)
+    result["aborted"] = list(conn.aborted)
+    t0 = time.monotonic()
+    torch.cuda.synchronize(device)  # hangs if the abort left the send kernel running
+    result["synchronize_s"] = round(time.monotonic() - t0, 2)
+    conn.close()
 
 
 def _run(part: str, a: int, f: int, timeout: float = 120.0) -> list[dict[str, Any]]:
@@ -272,6 +336,58 @@ def compiled_exchange_probe() -> dict[str, Any]:
     return result
 
 
+def micro_batch_threads_probe() -> dict[str, Any]:
+    """Part 5 (in this process, on the last GPU): see the module docstring."""
+    import torch
+
+    from afd_moe_runners.micro_batch_threads import (
+        start_thread,
+        starter_placement,
+        wait_for_threads,
+    )
+
+    result: dict[str, Any] = {}
+    try:
+        device = torch.cuda.device_count() - 1
+        stream = torch.cuda.Stream(device=device)
+        out = torch.zeros(1 << 20, device=f"cuda:{device}")
+        done = torch.cuda.Event()
+        seen: dict[str, Any] = {}
+
+        def body() -> None:
+            seen["device"] = torch.cuda.current_device()
+            seen["on_starters_stream"] = torch.cuda.current_stream() == stream
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: still running at the merge
+            out.fill_(1.0)
+            done.record()
+
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            placement = starter_placement()
+            start_thread(body, (), name="afd-probe", placement=placement).join()
+            result["thread_work_running_at_merge"] = not done.query()
+            wait_for_threads(placement)
+            merged = out.sum()  # the merge, queued on the starter's stream
+            result["merge_saw_thread_work"] = float(merged) == out.numel()
+        result["starter"] = {
+            "device": device,
+            "stream_is_default": stream == torch.cuda.default_stream(device),
+        }
+        result["thread"] = seen
+    except Exception:
+        result["error"] = traceback.format_exc()[-2000:]
+    return result
+
+
+def nccl_send_timeout_probe() -> Any:
+    """Part 6: see the module docstring."""
+    import torch
+
+    found = torch.cuda.device_count()
+    if found < 2:
+        return {"skipped": f"needs 2 GPUs (NCCL refuses two ranks on one GPU), found {found}"}
+    return _run("send_timeout", 1, 1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_check.json")
@@ -290,6 +406,8 @@ def main() -> int:
     report["nccl_exchange_2A1F"] = _run("exchange", 2, 1)
     report["nccl_peer_loss"] = _run("peer_loss", 1, 1)
     report["compiled_exchange"] = compiled_exchange_probe()
+    report["micro_batch_threads"] = micro_batch_threads_probe()
+    report["nccl_send_timeout"] = nccl_send_timeout_probe()
     text = json.dumps(report, indent=2)
     print(text)
     with open(args.out, "w") as fh:

@@ -95,3 +95,20 @@ def test_a_dead_peer_seen_by_the_watcher_ends_an_nccl_wait() -> None:
         conn._wait_data(FakeNcclWork(), 0, start + 30, 30.0, "receiving from")
     assert time.monotonic() - start < 1.0
     assert all(g.aborted for g in fakes.values())
+
+
+def test_a_late_nccl_send_times_out_and_aborts_both_communicators_as_a_receive_does() -> None:
+    import torch
+
+    conn, fakes = _connector(timeout=0.3)
+    answer = torch.ones(4, 8)
+    _, key = conn._stage(answer, 0, 0, 0)
+    assert conn._pool is not None
+    conn._pool.sent(key, FakeNcclWork())  # the NCCL send of that buffer never completes
+    start = time.monotonic()
+    # The next answer in the same buffer must first settle the send that read it.
+    with pytest.raises(AFDTimeoutError, match="NCCL communicators were aborted") as err:
+        conn._stage(answer, 0, 0, 0)
+    assert "sending to attention rank 0" in str(err.value)
+    assert 0.25 <= time.monotonic() - start < 2.0
+    assert all(g.aborted for g in fakes.values())

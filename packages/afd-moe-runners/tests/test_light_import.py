@@ -16,6 +16,12 @@ def test_import_does_not_load_torch_or_vllm() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_micro_batch_threads_import_without_vllm() -> None:
+    # tools/gpu_check.py probes them on a GPU host that has torch but no vLLM.
+    code = "import sys, afd_moe_runners.micro_batch_threads\nassert 'vllm' not in sys.modules\n"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_unknown_attribute_is_an_attribute_error() -> None:
     import pytest
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -98,6 +101,113 @@ def test_scheduler_reraises_the_first_error_and_stops_the_others() -> None:
     with pytest.raises(RuntimeError, match="peer lost in micro-batch 0"):
         sched.run([failing, other], restore=None)
     assert reached == [0]  # stopped at its next yield point
+
+
+class FakeStream:
+    """A fake CUDA stream: logs the streams it is made to wait for."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name = name
+        self.log = log
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.log.append(f"{self.name} waits for {other.name}")
+
+
+class FakeCuda:
+    """Fakes of torch.cuda's device and stream getters and context managers.
+
+    As on real CUDA, the current device and stream belong to a host thread: a new thread
+    starts on device 0 and the default stream. Asking for either initializes CUDA.
+    """
+
+    def __init__(self, log: list[str], *, initialized: bool = True) -> None:
+        self.default_stream = FakeStream("default", log)
+        self.initialized = initialized
+        self._local = threading.local()
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import torch
+
+        for name in ("is_available", "is_initialized", "current_device", "current_stream"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        monkeypatch.setattr(torch.cuda, "device", self.device)
+        monkeypatch.setattr(torch.cuda, "stream", self.stream)
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def current_device(self) -> int:
+        self.initialized = True
+        return int(getattr(self._local, "device", 0))
+
+    def current_stream(self, device: Any = None) -> FakeStream:
+        self.initialized = True
+        stream: FakeStream = getattr(self._local, "stream", self.default_stream)
+        return stream
+
+    @contextlib.contextmanager
+    def device(self, index: int) -> Iterator[None]:
+        before = getattr(self._local, "device", 0)
+        self._local.device = index
+        try:
+            yield
+        finally:
+            self._local.device = before
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream) -> Iterator[None]:
+        before = getattr(self._local, "stream", self.default_stream)
+        self._local.stream = stream
+        try:
+            yield
+        finally:
+            self._local.stream = before
+
+
+def test_micro_batch_threads_run_on_the_starters_cuda_device_and_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from afd_moe_runners.micro_batching import PingPongScheduler
+
+    log: list[str] = []
+    cuda = FakeCuda(log)
+    cuda.install(monkeypatch)
+    starters = FakeStream("starter's stream", log)
+    sched = PingPongScheduler([None, None, None])
+    seen: dict[int, tuple[int, str]] = {}
+
+    def body(i: int) -> Any:
+        def run() -> None:
+            seen[i] = (cuda.current_device(), cuda.current_stream().name)
+            sched.yield_turn(0, i)
+            log.append(f"body {i} done")
+
+        return run
+
+    with cuda.device(3), cuda.stream(starters):
+        sched.run([body(0), body(1), body(2)], restore=None)
+    assert seen == {i: (3, "starter's stream") for i in range(3)}
+    # the merge comes after every body's work: the starter's stream waits for the
+    # stream the bodies queued their work on (the same one), after the last body ended
+    assert log[-1] == "starter's stream waits for starter's stream"
+    assert sorted(log[:-1]) == ["body 0 done", "body 1 done", "body 2 done"]
+
+
+def test_micro_batch_threads_leave_cuda_alone_until_it_is_initialized(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from afd_moe_runners.micro_batching import PingPongScheduler
+
+    log: list[str] = []
+    cuda = FakeCuda(log, initialized=False)
+    cuda.install(monkeypatch)
+    sched = PingPongScheduler([None, None])
+    assert sched.run([lambda: 0, lambda: 1], restore=None) == [0, 1]
+    assert not cuda.initialized and log == []
 
 
 def test_micro_batching_needs_the_afd_worker_and_no_speculative_decoding() -> None:

@@ -72,8 +72,9 @@ class P2pAFDConnector(ExchangeConnector):
     def __init__(self, config: AFDConfig, *, rank: int) -> None:
         super().__init__(config, rank=rank)
         self._group: DataPlaneGroup | None = None
-        # (work, peer, tensor kept alive until the send completed)
-        self._pending_sends: collections.deque[tuple[Any, int, Any]] = collections.deque()
+        # (work, peer, tensor kept alive until the send completed, True for a tensor on
+        # the data plane / False for a frame on gloo)
+        self._pending_sends: collections.deque[tuple[Any, int, Any, bool]] = collections.deque()
         # gloo reports a send complete only through wait(); a send is settled by wait()
         # once more than this many are queued. In the AFD protocol at most one message
         # per (peer, micro-batch) is undelivered at a time (4 operations at most), so the
@@ -121,7 +122,7 @@ class P2pAFDConnector(ExchangeConnector):
             # answer), but never for long: close() must not hang on a peer that is gone.
             flush_deadline = time.monotonic() + _FLUSH_GRACE_S
             while self._pending_sends:
-                work, _, _ = self._pending_sends.popleft()
+                work, *_ = self._pending_sends.popleft()
                 remaining = flush_deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -206,19 +207,26 @@ class P2pAFDConnector(ExchangeConnector):
         except RuntimeError as exc:  # DistBackendError / DistNetworkError included
             raise self._map_error(exc, peer, timeout, action) from exc
 
-    def _settle(self, work: Any, peer: int) -> None:
-        """Wait for a send posted earlier (it has normally completed long ago)."""
+    def _settle(self, work: Any, peer: int, *, data: bool) -> None:
+        """Wait for a send posted earlier (it has normally completed long ago).
+
+        A tensor send (``data``) is waited for as a tensor receive is: on NCCL a late one
+        aborts both communicators and raises :class:`AFDTimeoutError`. A frame is a gloo
+        send.
+        """
         timeout = self.config.transfer_timeout_s
-        try:
-            work.wait(timedelta(seconds=timeout))
-        except RuntimeError as exc:
-            raise self._map_error(exc, peer, timeout, "sending to") from exc
+        wait = self._wait_data if data else self._wait_gloo
+        wait(work, peer, time.monotonic() + timeout, timeout, "sending to")
 
     def _stage(self, tensor: Any, peer: int, slot: int, mb: int) -> tuple[Any, Any]:
         """(tensor to send, pool key or None): on the connector's device, contiguous."""
         if self._pool is not None:
             return self._pool.stage(
-                tensor, peer=peer, slot=slot, mb=mb, settle=lambda w: self._settle(w, peer)
+                tensor,
+                peer=peer,
+                slot=slot,
+                mb=mb,
+                settle=lambda w: self._settle(w, peer, data=True),
             )
         t = tensor if tensor.device == self._device else tensor.to(self._device)
         return t.contiguous(), None
@@ -256,12 +264,12 @@ class P2pAFDConnector(ExchangeConnector):
             for (peer, frame, _), parts in zip(posts, staged, strict=True):
                 head = _cpu_tensor(frame.encode())
                 work = link.gloo.send([head], peer, _DATA_TAG)
-                self._pending_sends.append((work, peer, head))
+                self._pending_sends.append((work, peer, head, False))
                 for tensor, key in parts:
                     if tensor is None:
                         continue
                     work = data_pg.send([tensor], peer, _DATA_TAG)
-                    self._pending_sends.append((work, peer, tensor))
+                    self._pending_sends.append((work, peer, tensor, True))
                     if key is not None and self._pool is not None:
                         self._pool.sent(key, work)
         except RuntimeError as exc:
@@ -271,8 +279,8 @@ class P2pAFDConnector(ExchangeConnector):
         """Settle the oldest sends past the bound; raise the error of a failed one."""
         pending = self._pending_sends
         while len(pending) > self._max_pending:
-            work, peer, _ = pending.popleft()
-            self._settle(work, peer)
+            work, peer, _, data = pending.popleft()
+            self._settle(work, peer, data=data)
 
     def _recv_frames(
         self,

@@ -33,7 +33,9 @@ step on an idle rank) adds *shadow* micro-batches that send zero tokens for each
 the real ones send.
 
 Nothing here depends on the device: the same scheduler runs wherever the connector's
-send/receive are blocking calls (gloo and shared memory on CPU, NCCL on CUDA).
+send/receive are blocking calls (gloo and shared memory on CPU, NCCL on CUDA). On CUDA
+the micro-batch threads run on their starter's device and stream
+(:mod:`afd_moe_runners.micro_batch_threads`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from afd_core.forward_context import AFD_CONTEXT_KEY, AFDStepMetadata
 from afd_core.transfer import AttentionToFFN
 from afd_moe_runners._vllm_compat import activate_forward_context
 from afd_moe_runners.exchange import send_to_ffn
+from afd_moe_runners.micro_batch_threads import start_thread, starter_placement, wait_for_threads
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +123,11 @@ class PingPongScheduler:
     """Runs m micro-batch bodies in turn; one runs at a time, the turn passes at yields.
 
     Body 0 runs on the calling thread, the others on threads of their own (started per
-    step; a thread costs ~0.1 ms, a step several ms). Before a body runs, and every time
-    it gets the turn back, its own forward context is made current (vLLM keeps the
-    current forward context in one module global, as vLLM's DBO threads also do).
+    step; a thread costs ~0.1 ms, a step several ms) on the calling thread's CUDA device
+    and stream, which waits for their work before :meth:`run` returns the outputs.
+    Before a body runs, and every time it gets the turn back, its own forward context is
+    made current (vLLM keeps the current forward context in one module global, as vLLM's
+    DBO threads also do).
     The first exception of any body is re-raised by :meth:`run` after the others
     stopped at their next yield point.
     """
@@ -211,15 +216,14 @@ class PingPongScheduler:
             raise ValueError(f"expected {self._m} micro-batch bodies, got {len(bodies)}")
         results: list[Any] = [None] * self._m
         grad = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        placement = starter_placement()
         threads = [
-            threading.Thread(
-                target=self._thread, args=(i, bodies[i], results, grad),
-                name=f"afd-micro-batch-{i}", daemon=True,
+            start_thread(
+                self._thread, (i, bodies[i], results, grad),
+                name=f"afd-micro-batch-{i}", placement=placement,
             )
             for i in range(1, self._m)
         ]  # fmt: skip
-        for t in threads:
-            t.start()
         try:
             self._body(0, bodies[0], results, grad)
             with self._cond:
@@ -230,6 +234,7 @@ class PingPongScheduler:
             activate_forward_context(restore)
         if self._error is not None:
             raise self._error
+        wait_for_threads(placement)
         return results
 
 
