@@ -30,9 +30,10 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
-import time
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -148,14 +149,30 @@ def run_native_groups(
     """One ``python -m afd.reference --groups-file`` process (native vLLM, fresh
     interpreter): token ids per prompt, per group; with :data:`SERVED`, one native API
     server asked one prompt at a time."""
-    from afd_processes import role_devices, role_env
-
     if llm_kwargs.get(SERVED):
         return _run_served(model, groups, dtype, max_tokens, llm_kwargs)
 
-    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
-    work = tmp / f"afd-ref-{os.getpid()}-{time.monotonic_ns()}"
-    work.mkdir(parents=True)
+    # A short folder in /tmp, not under the session's TMPDIR: vLLM binds ZMQ IPC sockets
+    # below it, and a Unix socket path has at most 107 characters (a tensor-parallel
+    # reference failed with "ipc path ... is longer than 107 characters" in a CI run
+    # whose TMPDIR was .nox/tests-matrix/tmp/run in the clone).
+    work = Path(tempfile.mkdtemp(prefix="afd-ref-", dir="/tmp"))
+    try:
+        return _run_reference(work, model, groups, dtype, max_tokens, llm_kwargs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_reference(
+    work: Path,
+    model: Path,
+    groups: list[Group],
+    dtype: str,
+    max_tokens: int,
+    llm_kwargs: dict[str, Any],
+) -> list[list[list[int]]]:
+    from afd_processes import role_devices, role_env
+
     groups_file, out = work / "groups.json", work / "out.json"
     groups_file.write_text(json.dumps([list(g) for g in groups]))
     cmd = [
