@@ -7,8 +7,9 @@ import re
 
 #: Lines of a failure that name a cause: exception lines (also inside a role's log,
 #: e.g. "[rank0]: ValueError: ..."), afd's own error lines, failed assertions.
+_EXCEPTION = r"\b\w*(Error|Exception|Exit|Interrupt)\b:"
 _CAUSE = re.compile(
-    r"(\b\w*(Error|Exception|Exit|Interrupt)\b:|\bassert |\berror\b|\bfailed\b|\btimed out\b"
+    rf"({_EXCEPTION}|\bassert |\berror\b|\bfailed\b|\btimed out\b"
     r"|\bnot ready\b|\bexited\b|\bTraceback\b)",
     re.IGNORECASE,
 )
@@ -29,3 +30,11 @@ def failure_digest(text: str, max_lines: int = 14, width: int = 400) -> list[str
             seen.pop(s, None)
             seen[s] = None
     return [s[:width] for s in list(seen)[-max_lines:]]
+
+
+def last_exception_line(text: str, width: int = 500) -> str:
+    """The last exception line of ``text`` (a process's stderr), else its last non-empty
+    line: put first in a failure message, it survives a log cut short in its middle."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    exceptions = [s for s in lines if re.search(_EXCEPTION, s) and not _FRAME.match(s)]
+    return (exceptions or lines or ["(no output)"])[-1][:width]

@@ -29,7 +29,6 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -129,20 +128,6 @@ COMPILED_BOUNDARIES = {"enforce_eager": False, FFN_BEHIND_OP: True}
 Runner = Callable[[Path, list[Group], str, int, dict[str, Any]], list[list[list[int]]]]
 
 
-def last_error_line(text: str) -> str:
-    """The last line of ``text`` that names an exception (``...Error: ...``), else its
-    last non-empty line: put first in a failure message, it survives a log cut short in
-    its middle (CI's digest keeps the start and the end of a long message)."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [
-        line
-        for line in lines
-        if re.search(r"\b\w*(Error|Exception|Interrupt)\b[:(]?", line)
-        and not line.startswith(("File ", "Traceback"))
-    ]
-    return (errors or lines or ["(no output)"])[-1][:500]
-
-
 def run_native_groups(
     model: Path, groups: list[Group], dtype: str, max_tokens: int, llm_kwargs: dict[str, Any]
 ) -> list[list[list[int]]]:
@@ -171,6 +156,7 @@ def _run_reference(
     max_tokens: int,
     llm_kwargs: dict[str, Any],
 ) -> list[list[list[int]]]:
+    from afd_failure_digest import last_exception_line
     from afd_processes import role_devices, role_env
 
     groups_file, out = work / "groups.json", work / "out.json"
@@ -200,7 +186,7 @@ def _run_reference(
     )  # fmt: skip
     assert proc.returncode == 0, (
         f"native reference failed ({model.name}, exit {proc.returncode}): "
-        f"{last_error_line(proc.stderr)}\n{proc.stdout[-2000:]}{proc.stderr[-5000:]}"
+        f"{last_exception_line(proc.stderr)}\n{proc.stdout[-2000:]}{proc.stderr[-5000:]}"
     )
     results = json.loads(out.read_text())["groups"]
     return [list(r["token_ids"]) for r in results]
