@@ -209,13 +209,11 @@ def _assembling() -> bool:
         return _assembly is not None
 
 
-def _note_assembly_problem(message: str) -> bool:
-    """Record ``message`` for the assembly in progress (False: none is)."""
+def _note_assembly_problem(message: str) -> None:
+    """Record ``message`` for the assembly in progress (none: nothing to do)."""
     with _assembly_lock:
-        if _assembly is None:
-            return False
-        _assembly.problems.append(message)
-        return True
+        if _assembly is not None:
+            _assembly.problems.append(message)
 
 
 @dataclass
