@@ -87,6 +87,39 @@ def _moe_shape(model: Path) -> tuple[int, int]:
     return config["num_hidden_layers"] - dense, experts
 
 
+def _tokens_served(url: str, rank: int) -> int:
+    return int(
+        metric_samples(f"{url}/metrics")[("afd_ffn_tokens_served_total", (("rank", str(rank)),))]
+    )
+
+
+def _dispatched(model: Path, routing: list[dict[str, list[list[int]]]], ep: int) -> list[int]:
+    """Tokens each FFN rank must receive with the gate on Attention, from native vLLM's
+    routing (per group: MoE layer -> top-k ids of each token row): a row goes to FFN rank
+    f when one of its experts is in f's shard; FFN rank 0 also gets every row of every
+    layer when the model has shared experts, and every row of the dense layers."""
+    from afd_core.topology import expert_shard
+
+    config = json.loads((model / "config.json").read_text())
+    layers, experts = _moe_shape(model)
+    dense = config["num_hidden_layers"] - layers
+    shared = bool(config.get("n_shared_experts") or config.get("shared_expert_intermediate_size"))
+    counts = [0] * ep
+    for group in routing:
+        assert len(group) == layers, sorted(group)
+        rows = {len(r) for r in group.values()}
+        assert len(rows) == 1, rows  # every MoE layer computed every token of the group
+        counts[0] += dense * rows.pop()
+        for f in range(ep):
+            shard = expert_shard(experts, ep, f)
+            for layer_rows in group.values():
+                if f == 0 and shared:
+                    counts[0] += len(layer_rows)
+                else:
+                    counts[f] += sum(any(e in shard for e in ids) for ids in layer_rows)
+    return counts
+
+
 # Two cases in `nox -s tests-matrix` (CI), the rest `extended` (see the module docstring).
 @pytest.mark.timeout(900)  # a TP=2 native reference and TP workers start slowly on 2 cores
 @pytest.mark.parametrize(
@@ -116,17 +149,23 @@ def test_parallel_layout_served_tokens_equal_native(
 ) -> None:
     model = tiny_qwen_models[None] if family == "qwen3_moe" else tiny_models[family]
     # The reference: native vLLM at the attention TP size (Qwen3-MoE float32 gives the
-    # same tokens at TP=1 and TP=2 natively; each is compared with its own).
-    native = [
-        g[0]
-        for g in native_references.groups(
-            model,
-            singles(PROMPTS),
-            dtype="float32",
-            max_tokens=MAX_TOKENS,
-            llm_kwargs={"tensor_parallel_size": tp} if tp > 1 else {},
-        )
-    ]
+    # same tokens at TP=1 and TP=2 natively; each is compared with its own). With the
+    # gate on Attention under expert parallelism and one attention rank, the reference
+    # also records its routing: the dispatch each FFN rank must have received.
+    ref_kwargs = {"tensor_parallel_size": tp} if tp > 1 else {}
+    dispatch_proof = ep > 1 and gate != "ffn" and dp == 1
+    routing: list[dict[str, list[list[int]]]] = []
+    if dispatch_proof:
+        groups, routing = native_references.routed(
+            model, singles(PROMPTS), dtype="float32", max_tokens=MAX_TOKENS,
+            llm_kwargs=ref_kwargs,
+        )  # fmt: skip
+    else:
+        groups = native_references.groups(
+            model, singles(PROMPTS), dtype="float32", max_tokens=MAX_TOKENS,
+            llm_kwargs=ref_kwargs,
+        )  # fmt: skip
+    native = [g[0] for g in groups]
     spec = tmp_path / "layout.toml"
     spec.write_text(
         f'model = "{model}"\nnum_attention = {dp}\nnum_ffn = {ep}\n'
@@ -150,6 +189,7 @@ def test_parallel_layout_served_tokens_equal_native(
             )
         )
         assert sorted(ffn_urls) == [f"ffn{f}" for f in range(ep)], launcher.output[-3000:]
+        before = [_tokens_served(ffn_urls[f"ffn{f}"], f) for f in range(ep)]
         got = [_complete(url, p) for p in PROMPTS]
         what = f"native vLLM TP={tp}, one request at a time"
         assert_same_tokens(got, native, PROMPTS, what, max_tokens=MAX_TOKENS)
@@ -168,14 +208,24 @@ def test_parallel_layout_served_tokens_equal_native(
             assert sent > 0
             assert sent == ffn[0][("afd_ffn_received_bytes_total", (("rank", "0"),))]
         else:
-            # Each FFN rank holds only its share of the routed experts, the others zeroed.
+            # Each FFN rank allocated only its share of the routed experts (counted from
+            # its MoE layers' expert tensors, afd_moe_runners.expert_shard).
+            from afd_core.topology import expert_shard
+
             layers, experts = _moe_shape(model)
-            held = layers * (experts // ep)
             out = launcher.output
+            if dispatch_proof:
+                # Each FFN rank received exactly the tokens routed to its experts (FFN
+                # rank 0 every token, where the model has shared experts or dense layers).
+                expected = _dispatched(model, routing, ep)
+                served = [_tokens_served(ffn_urls[f"ffn{f}"], f) - before[f] for f in range(ep)]
+                assert served == expected, (served, expected)
+                assert min(served) < sum(len(r) for g in routing for r in g.values())
             for f in range(ep):
+                held = layers * len(expert_shard(experts, ep, f))
                 assert re.search(
                     rf"\[ffn{f}\].*AFD FFN rank {f} of {ep} \(expert parallel\): "
-                    rf"experts_held={held} experts_zeroed={layers * experts - held}",
+                    rf"routed_experts_held={held} routed_experts_absent={layers * experts - held}",
                     out,
                 ), out[-3000:]
     finally:

@@ -124,6 +124,9 @@ SERVED = "afd_served"
 COMPILED = {"enforce_eager": False}
 COMPILED_SERVED = {"enforce_eager": False, SERVED: True}
 COMPILED_BOUNDARIES = {"enforce_eager": False, FFN_BEHIND_OP: True}
+#: A pseudo engine argument (cache keys only): the reference recorded its routing
+#: (``python -m afd.reference --record-routing``, :meth:`NativeReferences.routed`).
+RECORD_ROUTING = "afd_record_routing"
 
 Runner = Callable[[Path, list[Group], str, int, dict[str, Any]], list[list[list[int]]]]
 
@@ -155,7 +158,11 @@ def _run_reference(
     dtype: str,
     max_tokens: int,
     llm_kwargs: dict[str, Any],
-) -> list[list[list[int]]]:
+    *,
+    record_routing: bool = False,
+) -> Any:
+    """Token ids per prompt, per group; with ``record_routing`` the result dicts of
+    ``python -m afd.reference`` (token ids and routing per group)."""
     from afd_failure_digest import last_exception_line
     from afd_processes import role_devices, role_env
 
@@ -168,6 +175,8 @@ def _run_reference(
     llm_kwargs = dict(llm_kwargs)
     if llm_kwargs.pop(FFN_BEHIND_OP, False):
         cmd.append("--ffn-behind-op")
+    if record_routing:
+        cmd.append("--record-routing")
     if llm_kwargs:
         cmd += ["--llm-kwargs", json.dumps(llm_kwargs)]
     env = role_env(work, role_devices(None, "attn"))
@@ -189,6 +198,8 @@ def _run_reference(
         f"{last_exception_line(proc.stderr)}\n{proc.stdout[-2000:]}{proc.stderr[-5000:]}"
     )
     results = json.loads(out.read_text())["groups"]
+    if record_routing:
+        return results
     return [list(r["token_ids"]) for r in results]
 
 
@@ -279,6 +290,46 @@ class NativeReferences:
                                                max_tokens, kwargs))  # fmt: skip
         self.hits += len(set(keys)) - len(missing)
         return [found[key] for key in keys]
+
+    def routed(
+        self,
+        model: Path,
+        groups: Sequence[Group],
+        *,
+        dtype: str = "bfloat16",
+        max_tokens: int = 32,
+        llm_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[list[list[list[int]]], list[dict[str, list[list[int]]]]]:
+        """(greedy token ids per prompt per group, routing per group: decoder-layer index
+        -> the top-k expert ids of every token row the layer computed), from one native
+        engine that recorded its MoE layers' routing (``afd.reference``'s
+        ``--record-routing``); computed once per run like :meth:`groups`."""
+        kwargs = {**(llm_kwargs or {}), RECORD_ROUTING: True}
+        flat = tuple(f"{len(g)}:" + "\x00".join(g) for g in groups)
+        key = reference_key(model, flat, dtype=dtype, max_tokens=max_tokens, llm_kwargs=kwargs)
+        path = self._path(key)
+        if not path.exists():
+            with self._lock(model):
+                if not path.exists():
+                    self.engines += 1
+                    work = Path(tempfile.mkdtemp(prefix="afd-ref-", dir="/tmp"))
+                    try:
+                        results = _run_reference(
+                            work, Path(model), [tuple(g) for g in groups], dtype,
+                            max_tokens, dict(llm_kwargs or {}), record_routing=True,
+                        )  # fmt: skip
+                    finally:
+                        shutil.rmtree(work, ignore_errors=True)
+                    entry = {"model": str(model), "dtype": dtype, "engine": kwargs,
+                             "groups": results}  # fmt: skip
+                    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                    tmp.write_text(json.dumps(entry))
+                    tmp.replace(path)
+        else:
+            self.hits += 1
+        results = json.loads(path.read_text())["groups"]
+        assert len(results) == len(groups), (len(results), len(groups))
+        return [list(r["token_ids"]) for r in results], [dict(r["routing"]) for r in results]
 
     def _read(self, keys: Sequence[str]) -> dict[str, list[list[int]]]:
         found: dict[str, list[list[int]]] = {}

@@ -160,8 +160,8 @@ def test_an_unknown_expert_count_is_refused() -> None:
         routed_experts_of(object())
 
 
-def test_foreign_checkpoint_tensors_are_zeroed_before_loading() -> None:
-    from afd_moe_runners.expert_parallel import zero_foreign_weights
+def test_foreign_experts_are_dropped_and_rank0_parts_zeroed_before_loading() -> None:
+    from afd_moe_runners.expert_parallel import shard_checkpoint
 
     names = [
         "model.layers.0.mlp.gate_proj.weight",  # dense layer 0
@@ -173,10 +173,10 @@ def test_foreign_checkpoint_tensors_are_zeroed_before_loading() -> None:
         "model.layers.1.input_layernorm.weight",
     ]
     weights = [(n, torch.ones(2)) for n in names]
-    for rank, zeroed in (
-        (0, {"model.layers.1.mlp.experts.6.down_proj.weight"}),
-        (1, {names[0], names[3], names[5]}),
+    for rank, dropped, zeroed in (
+        (0, names[4], set()),
+        (1, names[3], {names[0], names[5]}),
     ):
-        out = dict(zero_foreign_weights(iter(weights), 8, rank, 2))
-        assert list(out) == names
+        out = dict(shard_checkpoint(iter(weights), 8, rank, 2))
+        assert list(out) == [n for n in names if n != dropped], rank
         assert {n for n, t in out.items() if not t.any()} == zeroed, rank

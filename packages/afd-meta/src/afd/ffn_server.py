@@ -96,8 +96,9 @@ class AFDWorkerExtension:
             identity = role_identity(model, vllm_config, afd)
             plane = afd
             if afd.ffn_expert_parallel:
-                # Expert parallelism: this rank holds its expert shard only and talks to
-                # every attention rank on its own expert plane (port + rank).
+                # Expert parallelism: this rank holds its expert shard only (allocated so
+                # at construction) and talks to every attention rank on its own expert
+                # plane (port + rank).
                 from afd_moe_runners.expert_parallel import zero_foreign_experts
                 from afd_moe_runners.identity import moe_layer_indices
 

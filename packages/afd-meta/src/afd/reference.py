@@ -62,15 +62,21 @@ class GreedyResult:
     texts: list[str]
     timings: dict[str, float] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
+    #: With ``record_routing``: decoder-layer index -> the top-k expert ids of every
+    #: token row each MoE layer computed for this group (prefill and decode steps).
+    routing: dict[str, list[list[int]]] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "prompts": self.prompts,
             "token_ids": self.token_ids,
             "texts": self.texts,
             "timings": self.timings,
             "settings": self.settings,
         }
+        if self.routing is not None:
+            out["routing"] = self.routing
+        return out
 
 
 def prepare_vllm_env(*, in_process: bool = True, drop_kvcache_space: bool = True) -> None:
@@ -137,11 +143,16 @@ def native_greedy_groups(
     max_model_len: int = 512,
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES,
     extra_llm_kwargs: Mapping[str, Any] | None = None,
+    record_routing: bool = False,
 ) -> list[GreedyResult]:
     """Several prompt groups answered by one engine: each group is generated as its own
     batch (one ``generate`` call), exactly as if it had an engine of its own; one result
     per group. ``[prompts]`` is :func:`native_greedy_result`; ``[[p] for p in prompts]``
     is what a server answering one request at a time computes.
+
+    ``record_routing``: also record, per group, the top-k expert ids every MoE layer
+    used for every token row (:attr:`GreedyResult.routing`; the routing an AFD
+    deployment's expert-parallel dispatch must follow).
 
     With more than one group, prefix caching is off (``enable_prefix_caching=False``,
     unless ``extra_llm_kwargs`` says otherwise), so no group reuses a KV block that an
@@ -150,6 +161,9 @@ def native_greedy_groups(
     if not groups or any(not g for g in groups):
         raise ValueError("native_greedy_groups needs at least one non-empty prompt group")
     prepare_vllm_env()
+    if record_routing:
+        # The recorder is a function of this module sent to the engine's workers.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
 
@@ -179,10 +193,14 @@ def native_greedy_groups(
     results: list[GreedyResult] = []
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        if record_routing:
+            llm.apply_model(_install_routing_recorder)
         for prompts in groups:
             t2 = time.perf_counter()
             outputs = llm.generate(list(prompts), params, use_tqdm=False)
             t_gen = time.perf_counter() - t2
+            # Every worker routes the same rows (replicated routers): worker 0's record.
+            routing = llm.apply_model(_take_routing)[0] if record_routing else None
             token_ids = [list(o.outputs[0].token_ids) for o in outputs]
             n_tokens = sum(len(t) for t in token_ids)
             results.append(
@@ -197,11 +215,49 @@ def native_greedy_groups(
                         "tokens_per_s": round(n_tokens / t_gen, 1) if t_gen > 0 else 0.0,
                     },
                     settings=dict(settings),
+                    routing=routing,
                 )
             )
     finally:
         _shutdown(llm)
     return results
+
+
+def _install_routing_recorder(model: Any) -> int:
+    """In a worker: make every routed-experts module of ``model`` record the top-k ids
+    it is called with (:func:`_take_routing` hands them out). Returns the layer count."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, RoutedExperts) or hasattr(module, "_afd_routing"):
+            continue
+        rows: list[list[int]] = []
+        native = module.forward_modular
+
+        def recording(*args: Any, _native: Any = native, _rows: Any = rows, **kw: Any) -> Any:
+            ids = kw["topk_ids"] if "topk_ids" in kw else args[2]
+            _rows.extend(ids.detach().to("cpu").tolist())
+            return _native(*args, **kw)
+
+        module.forward_modular = recording
+        module._afd_routing = rows
+        count += 1
+    return count
+
+
+def _take_routing(model: Any) -> dict[str, list[list[int]]]:
+    """In a worker: the rows recorded since the last call, per decoder-layer index."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    out: dict[str, list[list[int]]] = {}
+    for module in model.modules():
+        rows = getattr(module, "_afd_routing", None)
+        if rows is None:
+            continue
+        out[str(extract_layer_index(module.layer_name))] = list(rows)
+        rows.clear()
+    return out
 
 
 def native_greedy(
@@ -279,6 +335,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
         "computed eagerly behind the exchange op (afd.opaque_ffn), for compiled-mode "
         "experiments (pass enforce_eager=false in --llm-kwargs)",
     )
+    ap.add_argument(
+        "--record-routing",
+        action="store_true",
+        help="also write, per group, the top-k expert ids each MoE layer used for every "
+        'token row ("routing": {layer: [[ids], ...]})',
+    )
     args = ap.parse_args(argv)
     if args.groups_file and args.prompts_file:
         ap.error("--groups-file and --prompts-file exclude each other")
@@ -307,6 +369,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         extra_llm_kwargs=extra or None,
+        record_routing=args.record_routing,
     )
     out: dict[str, Any] = (
         {"groups": [r.to_json() for r in results]} if args.groups_file else results[0].to_json()

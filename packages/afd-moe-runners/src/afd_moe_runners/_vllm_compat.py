@@ -1,7 +1,7 @@
 """The vLLM version this package is built against, and the private vLLM members it uses.
 
 The runners subclass vLLM's ``MoERunner`` / ``RoutedExperts`` (public seams of the
-``FusedMoEFactory`` in ``vllm/model_executor/layers/fused_moe/layer.py``) but three
+``FusedMoEFactory`` in ``vllm/model_executor/layers/fused_moe/layer.py``) but some
 behaviours have no public entry point in vLLM 0.32. They are listed here, one line
 each, and ``tests/test_vllm_drift.py`` asserts their signatures so an upgrade fails
 in one obvious place instead of computing something subtly different:
@@ -13,6 +13,10 @@ in one obvious place instead of computing something subtly different:
 ``MoERunner._maybe_apply_routed_scale_to_output(shared_output, fused_output)``
     called by the external-routing runner so ``apply_routed_scale_to_output`` (and its
     float16 overflow variant) is applied exactly as the native runner applies it.
+``RoutedExperts._map_global_expert_id_to_local_expert_id(expert_id)``
+    overridden by :class:`afd_moe_runners.expert_shard.ExpertShardRoutedExperts` (FFN
+    expert parallelism): vLLM's weight loader asks it where a checkpoint expert goes
+    and skips the expert at -1, which is how a shard loads only its own experts.
 ``RoutedExperts._ensure_moe_quant_config_init()``
     called by the FFN-side routed-only path, as ``MoERunner._forward_impl`` does before
     running experts.
@@ -58,6 +62,8 @@ PRIVATE_VLLM_SYMBOLS: dict[str, tuple[str, ...]] = {
     "MoERunner._maybe_apply_routed_scale_to_output": ("self", "shared_output", "fused_output"),
     "vllm.model_executor.layers.fused_moe.routed_experts:"
     "RoutedExperts._ensure_moe_quant_config_init": ("self",),
+    "vllm.model_executor.layers.fused_moe.routed_experts:"
+    "RoutedExperts._map_global_expert_id_to_local_expert_id": ("self", "expert_id"),
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model": (
         "self",
         "scheduler_output",

@@ -1,11 +1,12 @@
 """FFN expert parallelism: every attention rank exchanges with every FFN rank (M2N).
 
 With ``afd.ffn_expert_parallel`` the ``nF`` FFN ranks share one expert set: FFN rank f
-holds the routed experts :func:`afd_core.topology.expert_shard` ``(E, nF, f)`` (the others
-are zero on it, :func:`zero_foreign_experts`); FFN rank 0 alone holds the shared experts
-and the dense MLPs (zero on the others). Every FFN block is then the sum over the FFN
-ranks of what each computes with its own weights, so an attention rank sends a layer to
-the FFN ranks and sums their partial answers:
+holds the routed experts :func:`afd_core.topology.expert_shard` ``(E, nF, f)`` and only
+those (its MoE layers allocate and load nothing else:
+:mod:`afd_moe_runners.expert_shard`); FFN rank 0 alone computes the shared experts and
+the dense MLPs (zero on the others, :func:`zero_foreign_experts`). Every FFN block is
+then the sum over the FFN ranks of what each computes with its own weights, so an
+attention rank sends a layer to the FFN ranks and sums their partial answers:
 
 * gate on Attention (top-k payload): dispatch. FFN rank f gets only the tokens with at
   least one of their top-k experts in its shard (:func:`dispatch_rows`), with the
@@ -40,7 +41,7 @@ from afd_moe_runners.exchange import pop_sent
 
 __all__ = [
     "ExpertParallelExchange",
-    "zero_foreign_weights",
+    "shard_checkpoint",
     "has_shared_experts",
     "routed_experts_of",
     "combine",
@@ -210,44 +211,34 @@ _EXPERT_PARAMS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
 def zero_foreign_experts(
     blocks: dict[int, nn.Module], moe_layers: Sequence[int], ep_rank: int, ep_size: int
 ) -> dict[str, int]:
-    """Make an FFN rank hold only its share: in every MoE block zero the routed experts
-    outside its shard (the FusedMoE ``w13`` / ``w2`` tensors, one row per expert) and, on
-    FFN ranks other than 0, the shared experts; on those ranks zero the dense MLPs too.
-    Returns ``{"experts_held": ..., "experts_zeroed": ...}`` summed over the layers.
+    """The after-load pass of an FFN rank under FFN expert parallelism; returns what its
+    MoE layers hold, read from their tensors (``routed_experts_held`` /
+    ``routed_experts_absent``, summed over the layers).
 
-    The tensors keep their full size (vLLM 0.32 CPU builds every expert of a FusedMoE
-    without its own expert parallelism): this makes the sum over FFN ranks exact, it does
-    not save memory.
+    The routed experts are already a shard (:class:`afd_moe_runners.expert_shard.
+    ExpertShardRoutedExperts` allocated only this rank's; the checkpoint's others were
+    never loaded). On FFN ranks other than 0 this zeroes what rank 0 alone computes:
+    the shared experts and the dense MLPs (their checkpoint tensors were zeroed before
+    loading already, :func:`shard_checkpoint`; this covers tensors named otherwise).
     """
-    held = zeroed = 0
+    from afd_moe_runners.expert_shard import held_experts
+
     moe = set(moe_layers)
     with torch.no_grad():
         for idx, block in blocks.items():
-            if idx not in moe:
-                if ep_rank != 0:
-                    for p in block.parameters():
-                        p.zero_()
+            if ep_rank == 0:
                 continue
-            routed: set[int] = set()
-            for module in block.modules():
-                tensors = [getattr(module, n, None) for n in _EXPERT_PARAMS]
-                tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-                if not tensors:
+            routed = {
+                id(t)
+                for module in block.modules()
+                for t in (getattr(module, n, None) for n in _EXPERT_PARAMS)
+                if isinstance(t, torch.Tensor)
+            }
+            for name, p in block.named_parameters():
+                if id(p) in routed or (idx in moe and _is_router(name)):
                     continue
-                experts = int(tensors[0].shape[0])
-                shard = expert_shard(experts, ep_size, ep_rank)
-                for t in tensors:
-                    routed.add(id(t))
-                    t[: shard.start].zero_()
-                    t[shard.stop :].zero_()
-                held += len(shard)
-                zeroed += experts - len(shard)
-            if ep_rank != 0:
-                for name, p in block.named_parameters():
-                    if id(p) in routed or _is_router(name):
-                        continue
-                    p.zero_()
-    return {"experts_held": held, "experts_zeroed": zeroed}
+                p.zero_()
+    return held_experts({idx: block for idx, block in blocks.items() if idx in moe})
 
 
 def _is_router(name: str) -> bool:
@@ -285,24 +276,27 @@ _LAYER_MLP = re.compile(r"layers\.(\d+)\.mlp\.")
 _DENSE_LEAVES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2")
 
 
-def zero_foreign_weights(
+def shard_checkpoint(
     weights: Iterable[tuple[str, torch.Tensor]], num_experts: int, ep_rank: int, ep_size: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The FFN role's checkpoint tensors with what this FFN rank does not hold replaced
-    by zeros *before* loading: the routed experts outside its shard (per-expert tensors,
-    ``...experts.<id>....``) and, on ranks > 0, the shared experts and the dense MLPs.
+    """The FFN role's checkpoint tensors for FFN rank ``ep_rank`` of ``ep_size``, before
+    loading: the per-expert tensors of routed experts outside its shard are dropped
+    (``...experts.<id>....``: never read into memory by the loader; fused tensors holding
+    every expert pass, vLLM's loader skips the foreign experts of them, see
+    :class:`afd_moe_runners.expert_shard.ExpertShardRoutedExperts`), and on ranks > 0 the
+    shared experts and the dense MLPs are replaced by zeros (rank 0 computes them).
 
     Zeroing before the load matters: vLLM CPU repacks Linear weights after loading
     (oneDNN), so zeroing a loaded ``weight`` afterwards would not reach the kernels.
-    :func:`zero_foreign_experts` zeroes the loaded FusedMoE tensors as well (fused
-    checkpoints that hold every expert in one tensor) and counts the share.
     """
     shard = expert_shard(num_experts, ep_size, ep_rank)
     for name, tensor in weights:
         expert = _EXPERT_ID.search(name)
         if expert is not None:
-            foreign = int(expert[1]) not in shard
-        elif "shared_expert" in name:
+            if int(expert[1]) in shard:
+                yield name, tensor
+            continue
+        if "shared_expert" in name:
             foreign = ep_rank != 0
         elif _LAYER_MLP.search(name) and name.rsplit(".", 2)[-2] in _DENSE_LEAVES:
             foreign = ep_rank != 0  # a dense layer's MLP

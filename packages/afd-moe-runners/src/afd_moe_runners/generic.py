@@ -189,12 +189,16 @@ def _interceptions(plan: SplitPlan, afd: AFDConfig) -> dict[type, dict[str, Call
 
 
 @contextlib.contextmanager
-def _role_construction(plan: SplitPlan, afd: AFDConfig) -> Iterator[None]:
-    """Replace, in the model's own modules, the names of the intercepted classes (and,
-    on the Attention role, ``FusedMoEFactory``) while the native constructor runs."""
+def _role_construction(plan: SplitPlan, afd: AFDConfig, vllm_config: VllmConfig) -> Iterator[None]:
+    """Replace, in the model's own modules, the names of the intercepted classes (and
+    ``FusedMoEFactory`` on the Attention role, and on an FFN rank under FFN expert
+    parallelism) while the native constructor runs."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
     intercepted = _interceptions(plan, afd)
+    ffn_factory = None
+    if afd.role is AFDRole.FFN and afd.ffn_expert_parallel:
+        ffn_factory = role_model.expert_shard_factory(afd, vllm_config, FusedMoEFactory)
 
     def substitutions(namespace: dict[str, Any]) -> dict[str, Any]:
         subs: dict[str, Any] = {}
@@ -203,6 +207,8 @@ def _role_construction(plan: SplitPlan, afd: AFDConfig) -> Iterator[None]:
                 subs[attr] = _Intercepted(value, intercepted[value])
             elif value is FusedMoEFactory and afd.role is AFDRole.ATTENTION:
                 subs[attr] = role_model.attention_factory(afd, FusedMoEFactory)
+            elif value is FusedMoEFactory and ffn_factory is not None:
+                subs[attr] = ffn_factory
         return subs
 
     with contextlib.ExitStack() as stack:
@@ -268,7 +274,7 @@ class GenericRoleModel(role_model.AFDRoleModel):
                 f"{name}: afd cannot split {native.__name__} into Attention and FFN roles: "
                 + "; ".join(plan.problems)
             )
-        with _role_construction(plan, afd):
+        with _role_construction(plan, afd, vllm_config):
             native.__init__(self, vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
         left = meta_tensors(self)  # type: ignore[arg-type]
         if left:

@@ -49,6 +49,7 @@ __all__ = [
     "RoleRuntime",
     "afd_config_of",
     "attention_factory",
+    "expert_shard_factory",
     "check_supported_parallelism",
     "tensor_parallel_problem",
     "compiled_graph_problem",
@@ -235,6 +236,30 @@ def attention_factory(afd: AFDConfig, native_factory: Any) -> Any:
     from afd_moe_runners.builder import afd_moe_factory
 
     return afd_moe_factory(afd, role=AFDRole.ATTENTION, factory=native_factory)
+
+
+def expert_shard_factory(afd: AFDConfig, vllm_config: VllmConfig, native_factory: Any) -> Any:
+    """A stand-in for a model module's ``FusedMoEFactory`` name on an FFN rank under FFN
+    expert parallelism: the native layer with this rank's routed experts only
+    (:class:`afd_moe_runners.expert_shard.ExpertShardRoutedExperts`)."""
+    from afd_moe_runners.expert_shard import shard_routed_experts_kwargs
+
+    rank = afd.rank if afd.rank is not None else vllm_config.parallel_config.data_parallel_rank
+    extra = shard_routed_experts_kwargs(int(rank), afd.num_ffn_ranks)
+
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("routed_experts_cls") is not None:
+            raise AFDConfigError(
+                f"{kwargs.get('prefix', 'a MoE layer')}: the model builds its experts with its "
+                f"own class {kwargs['routed_experts_cls'].__name__}, which afd cannot shard; "
+                "this model cannot use afd.ffn_expert_parallel (start one FFN rank per "
+                "expert set instead)"
+            )
+        kwargs.pop("routed_experts_cls", None)
+        kwargs.pop("routed_experts_args", None)
+        return native_factory(*args, **kwargs, **extra)
+
+    return factory
 
 
 class NoAttention(nn.Module):
@@ -542,12 +567,12 @@ class RoleRuntime:
     def expert_shard_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterable[tuple[str, torch.Tensor]]:
-        """FFN expert parallelism: the checkpoint tensors this FFN rank does not hold,
-        zeroed before loading (:func:`afd_moe_runners.expert_parallel.zero_foreign_weights`)."""
-        from afd_moe_runners.expert_parallel import routed_experts_of, zero_foreign_weights
+        """FFN expert parallelism: this FFN rank's checkpoint tensors, the routed experts
+        of other ranks dropped (:func:`afd_moe_runners.expert_parallel.shard_checkpoint`)."""
+        from afd_moe_runners.expert_parallel import routed_experts_of, shard_checkpoint
 
         assert self._text_config is not None
-        return zero_foreign_weights(
+        return shard_checkpoint(
             weights, routed_experts_of(self._text_config), self.rank, self.afd.num_ffn_ranks
         )
 
