@@ -522,6 +522,20 @@ print(f"{top}: {ok} modules imported from {pkg.__file__}{note}")
 """
 
 
+def excluded_dependency_names(entries: list[str | dict[str, object]]) -> list[str]:
+    """The names in ``[tool.uv] exclude-dependencies``: plain names and those of the
+    exclusions scoped to one package (the CPU build's CUDA companions). ``install-each``
+    installs the ``cpu`` extra, where all of them are excluded."""
+    names: set[str] = set()
+    for entry in entries:
+        if isinstance(entry, str):
+            names.add(entry)
+        else:
+            deps = entry.get("dependencies", [])
+            names.update(str(name) for name in deps if isinstance(deps, list))
+    return sorted(names)
+
+
 @nox.session(name="install-each", venv_backend="none")
 def install_each(session: nox.Session) -> None:
     """Every package on its own: a fresh venv per package, ``uv pip install
@@ -540,7 +554,7 @@ def install_each(session: nox.Session) -> None:
 
     python = shutil.which("python3") or sys.executable
     root = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    excluded = root["tool"]["uv"].get("exclude-dependencies", [])
+    excluded = excluded_dependency_names(root["tool"]["uv"].get("exclude-dependencies", []))
     links = find_links()
     clean = {"PYTHONPATH": "", "VIRTUAL_ENV": "", "UV_PROJECT_ENVIRONMENT": ""}
     with tempfile.TemporaryDirectory(prefix="afd-install-each-") as tmp:

@@ -7,9 +7,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v uv >/dev/null 2>&1 || ! command -v nox >/dev/null 2>&1; then
+# uv.lock's scoped exclude-dependencies (cpu vs cuda torch builds) need uv 0.13.9.
+uv_too_old() {
+    python3 - "$(uv --version 2>/dev/null | awk '{print $2}')" <<'PY'
+import sys
+have = tuple(int(x) for x in (sys.argv[1] or "0").split(".")[:3] if x.isdigit())
+sys.exit(0 if have < (0, 13, 9) else 1)
+PY
+}
+if ! command -v uv >/dev/null 2>&1 || ! command -v nox >/dev/null 2>&1 || uv_too_old; then
     echo "[dev] installing uv and nox with pip" >&2
-    python3 -m pip install -q --disable-pip-version-check "uv>=0.9" "nox>=2024.10"
+    python3 -m pip install -q --disable-pip-version-check "uv>=0.13.9" "nox>=2024.10"
     # Their scripts land next to the interpreter (or in the user base for --user
     # installs); pyenv shims are not refreshed by `python3 -m pip`.
     py_bin="$(python3 -c 'import os, sys; print(os.path.dirname(os.path.realpath(sys.executable)))')"

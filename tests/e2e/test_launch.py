@@ -163,6 +163,17 @@ def test_2a1f_serves_and_stops_on_sigterm(
         ffn_log = "\n".join(ln for ln in out if ln.startswith("[ffn0]"))
         assert_role_inventories(attention_log, ffn_log, gate_on_attention=True)
         assert "ping-pong micro-batching with 2 micro-batches" in attention_log
+        # The FFN warmed up every layer with the payload kind it then received (dense
+        # layers hidden states, MoE layers top-k) before it waited for its peers.
+        config = json.loads((model / "config.json").read_text())
+        dense = int(config.get("first_k_dense_replace", 0))
+        moe = int(config["num_hidden_layers"]) - dense
+        warmed = (
+            f"AFD FFN rank 0: warmed up {dense + moe} FFN layers "
+            f"({dense} x HIDDEN, {moe} x HIDDEN_TOPK) on 8 dummy tokens in "
+        )
+        assert warmed in ffn_log, ffn_log[-3000:]
+        assert ffn_log.index(warmed) < ffn_log.index("waiting for attention ranks")
         assert stopped_s < 10.0, f"teardown took {stopped_s:.1f} s"
         assert group_pgid_members([*pgids.values(), launcher.proc.pid]) == []
     finally:

@@ -110,6 +110,7 @@ class AFDWorkerExtension:
                 )  # fmt: skip
                 plane = afd.expert_plane(rank)
                 identity = {**identity, "expert_shard": f"{rank}/{n}"}
+            warm_up_layers(compute, afd, rank)
             plane_rank = 0 if afd.ffn_expert_parallel else rank
             connector = create_connector(plane, rank=plane_rank, identity=identity)
             self._afd_connector = connector
@@ -158,6 +159,20 @@ class AFDWorkerExtension:
         connector = getattr(self, "_afd_connector", None)
         if connector is not None:
             connector.close()
+
+
+def warm_up_layers(compute: Any, afd: AFDConfig, rank: int) -> None:
+    """Run every FFN layer this rank serves once, on a dummy batch of the payload kind
+    the deployment sends (``FFNLayerCompute.warm_up``), and log what ran and how long it
+    took. Called after the weights are final (expert parallelism zeroes the foreign
+    experts first) and before the rank waits for its attention peers, so first-call
+    costs land here and not in the Attention role's profiling run."""
+    report = compute.warm_up(
+        compute_gate_on_attention=afd.compute_gate_on_attention,
+        routing_payload=afd.routing_payload,
+        expert_parallel=(rank, afd.num_ffn_ranks) if afd.ffn_expert_parallel else None,
+    )
+    logger.info("AFD FFN rank %d: %s", rank, report.summary())
 
 
 def run_ffn_server(engine_args: Any, *, health_host: str = "0.0.0.0", health_port: int = 0) -> int:

@@ -21,6 +21,11 @@ model family:
 In the two routed-only cases the shared experts, the shared add and
 ``apply_routed_scale_to_output`` happen on the Attention role; the routed output is
 reduced over the FFN role's tensor-parallel ranks here, once.
+
+Before it serves, the FFN role runs every layer once on a dummy batch of the payload kind
+it will receive (:meth:`FFNLayerCompute.warm_up`), so that first-call costs (oneDNN
+packing and allocator growth on CPU, kernel JIT and autotuning on CUDA) are paid before
+the Attention role's profiling run, not inside it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,9 +44,11 @@ from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
 from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
 
+from afd_core.config import RoutingPayload
 from afd_core.connector import AFDConnector, FFNBatch
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.profiling import recorder
+from afd_core.topology import expert_shard
 from afd_core.transfer import AttentionToFFN, FFNToAttention, PayloadKind
 from afd_moe_runners._vllm_compat import check_vllm_version
 from afd_moe_runners.metrics import FFNMetrics
@@ -50,6 +58,7 @@ check_vllm_version()
 
 __all__ = [
     "FFNLayerCompute",
+    "WarmUpReport",
     "find_moe_runner",
     "routed_experts_output",
     "shared_experts_output",
@@ -166,6 +175,27 @@ def shared_experts_output(runner: MoERunner, hidden: torch.Tensor) -> torch.Tens
     return out
 
 
+@dataclass(frozen=True)
+class WarmUpReport:
+    """What :meth:`FFNLayerCompute.warm_up` ran: the payload kind per layer, the dummy
+    batch's size and the time it took."""
+
+    kinds: dict[int, PayloadKind]
+    num_tokens: int
+    seconds: float
+
+    def summary(self) -> str:
+        """One log line: how many layers of each kind, on how many tokens, how long."""
+        counts: dict[str, int] = {}
+        for kind in self.kinds.values():
+            counts[kind.name] = counts.get(kind.name, 0) + 1
+        per_kind = ", ".join(f"{n} x {name}" for name, n in sorted(counts.items()))
+        return (
+            f"warmed up {len(self.kinds)} FFN layers ({per_kind or 'none'}) on "
+            f"{self.num_tokens} dummy tokens in {self.seconds:.2f} s"
+        )
+
+
 class FFNLayerCompute:
     """The FFN role's per-layer computation, independent of the model family.
 
@@ -263,6 +293,88 @@ class FFNLayerCompute:
             f"layer {layer_idx}: payload kind {kind.name} is not supported by FFNLayerCompute"
         )
 
+    def warm_up(
+        self,
+        *,
+        compute_gate_on_attention: bool,
+        routing_payload: RoutingPayload | str = RoutingPayload.TOPK,
+        expert_parallel: tuple[int, int] | None = None,
+        num_tokens: int = 8,
+        hidden_size: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> WarmUpReport:
+        """Run every layer once through :meth:`compute` on a dummy batch of the payload
+        kind the Attention role will send it, and drop the answers.
+
+        The kind per layer is the deployment's: hidden states for every layer with the
+        gate on FFN and for dense layers; with the gate on Attention, MoE layers get
+        top-k ids and weights (``routing_payload="topk"``) or router logits. Top-k ids
+        are valid expert ids of the layer as a real dispatch sends them: every row has
+        one expert this rank holds, the others with zero weight; ``expert_parallel``
+        ``(rank, size)`` names this FFN rank's shard (``afd_core.topology.expert_shard``),
+        None means every expert. Nothing that affects later results changes: the blocks
+        keep no state between calls (no KV cache; MoE is stateless), the dummy values
+        come from a private generator (torch's global RNG is untouched), and each call
+        opens its own vLLM forward context as serving does.
+
+        ``hidden_size`` / ``dtype``: of the hidden states (default: the model config's,
+        else the MoE layers' own).
+        """
+        if num_tokens < 1:
+            raise AFDConfigError(f"warm_up: num_tokens must be >= 1, got {num_tokens}")
+        routing = RoutingPayload(routing_payload)
+        generator = torch.Generator().manual_seed(0)
+        hidden_size, dtype = self._hidden_spec(hidden_size, dtype)
+        kinds: dict[int, PayloadKind] = {}
+        t0 = time.perf_counter()
+        for layer_idx in sorted(self.layers):
+            block = self.layers[layer_idx]
+            runner = self.runners[layer_idx]
+            device = next((p.device for p in block.parameters()), torch.device("cpu"))
+            hidden = torch.randn(num_tokens, hidden_size, generator=generator) * 0.1
+            hidden = hidden.to(device=device, dtype=dtype)
+            if runner is None or not compute_gate_on_attention:
+                payload = AttentionToFFN(hidden)
+            elif routing is RoutingPayload.ROUTER_LOGITS:
+                experts = runner.moe_config.num_logical_experts
+                logits_dtype = runner.moe_config.router_logits_dtype or dtype
+                logits = torch.randn(num_tokens, experts, generator=generator)
+                payload = AttentionToFFN(hidden, router_logits=logits.to(logits_dtype).to(device))
+            else:
+                ids, weights = _warm_up_topk(runner, num_tokens, expert_parallel)
+                payload = AttentionToFFN(
+                    hidden, topk_ids=ids.to(device), topk_weights=weights.to(device)
+                )
+            self.compute(layer_idx, payload)
+            kinds[layer_idx] = payload.kind
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return WarmUpReport(kinds, num_tokens, time.perf_counter() - t0)
+
+    def _hidden_spec(
+        self, hidden_size: int | None, dtype: torch.dtype | None
+    ) -> tuple[int, torch.dtype]:
+        model = self.vllm_config.model_config
+        moe = [r.moe_config for r in self.runners.values() if r is not None]
+        if hidden_size is None:
+            if model is not None:
+                hidden_size = int(model.get_hidden_size())
+            elif moe:
+                hidden_size = moe[0].hidden_dim_unpadded or moe[0].hidden_dim
+            else:
+                raise AFDConfigError(
+                    "warm_up: no model config and no MoE layer to read the hidden size "
+                    "from; pass hidden_size"
+                )
+        if dtype is None:
+            if model is not None:
+                dtype = model.dtype
+            elif moe:
+                dtype = moe[0].in_dtype
+            else:
+                dtype = torch.get_default_dtype()
+        return hidden_size, dtype
+
     def _empty_result(
         self, layer_idx: int, runner: MoERunner | None, payload: AttentionToFFN
     ) -> FFNToAttention:
@@ -306,6 +418,26 @@ class FFNLayerCompute:
             rec.span("compute", t1, t2, **where)
             rec.span("return", t2, t3, **where)
         return batch
+
+
+def _warm_up_topk(
+    runner: MoERunner, num_tokens: int, expert_parallel: tuple[int, int] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids (int32) and weights (float32) of ``num_tokens`` rows as the Attention
+    role sends them to this rank: distinct valid ids per row, the first one held here
+    (cycling through the held experts), the others weighted zero when not held (as
+    ``expert_parallel.shard_payload`` does)."""
+    experts = runner.moe_config.num_logical_experts
+    top_k = runner.moe_config.experts_per_token
+    held = range(experts)
+    if expert_parallel is not None:
+        rank, size = expert_parallel
+        held = expert_shard(experts, size, rank)
+    first = torch.tensor([held[r % len(held)] for r in range(num_tokens)], dtype=torch.int64)
+    ids = (first[:, None] + torch.arange(top_k)[None, :]) % experts
+    mine = (ids >= held.start) & (ids < held.stop)
+    weights = torch.where(mine, torch.full(ids.shape, 1.0 / top_k), torch.zeros(ids.shape))
+    return ids.to(torch.int32), weights.to(torch.float32)
 
 
 def _as_tensor(output: Any, layer_idx: int) -> torch.Tensor:
