@@ -83,7 +83,9 @@ def _install_third_party(site: Path) -> None:
         pytest.param("deepseek_v2", "ffn", "P2pShmAFDConnector", marks=EXTENDED),
         pytest.param("deepseek_v3", "ffn", "P2pGlooAFDConnector", marks=EXTENDED),
         ("deepseek_v3", "attention-topk", "P2pGlooAFDConnector"),
-        pytest.param("deepseek_v3", "attention-router_logits", "P2pGlooAFDConnector", marks=MATRIX),
+        pytest.param(
+            "deepseek_v3", "attention-router_logits", "P2pGlooAFDConnector", marks=EXTENDED
+        ),
     ],
 )
 def test_1a1f_greedy_tokens_equal_native(

@@ -6,7 +6,10 @@ greedy tokens of 10 prompts x 16 equal to native vLLM asked the same way):
   the FFN rank sees one peer and receives exactly what the attention rank sent once.
 * FFN EP2 (``ffn_expert_parallel = true``: each FFN rank holds half the routed experts,
   afd_moe_runners.expert_parallel) with Attention TP1, TP2 and 2 DP ranks; reference
-  native at the attention TP size; each FFN rank's log says it holds only its share.
+  native at the attention TP size; each FFN rank's log says it allocated only its share
+  (read from its expert tensors). Dispatch proof (gate on Attention, one attention rank):
+  each FFN rank's ``afd_ffn_tokens_served_total`` over the requests equals the count
+  from native vLLM's own routing of the same tokens (``afd.reference --record-routing``).
 * DeepSeek-V3-style (grouped top-k, shared expert, dense first layer) TP1 + EP2.
 
 Both gate placements where listed. Where they run (CI's budget: a parallel layout is
