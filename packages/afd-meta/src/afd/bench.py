@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from afd import bench_metrics
 from afd.demo import cache_dir, ensure_tiny_model, served_model
 from afd.launch import (
     Deployment,
@@ -390,6 +391,21 @@ def add_bench_arguments(ap: Any) -> None:
     )
     ap.add_argument("--gate-on-attention", action="store_true")
     ap.add_argument(
+        "--num-attention", type=int, default=1, help="attention (DP) ranks of the AFD deployment"
+    )
+    ap.add_argument("--num-ffn", type=int, default=1, help="FFN ranks of the AFD deployment")
+    ap.add_argument(
+        "--attention-tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size of each attention rank of the AFD deployment",
+    )
+    ap.add_argument(
+        "--ffn-expert-parallel",
+        action="store_true",
+        help="the FFN ranks share one expert set (each holds 1/num-ffn of the routed experts)",
+    )
+    ap.add_argument(
         "--connector",
         default=None,
         help="AFD connector of the AFD deployment (default: P2pShmAFDConnector, the "
@@ -478,6 +494,10 @@ def run_bench(args: Any) -> int:
             model=str(model),
             max_model_len=args.max_model_len,
             compute_gate_on_attention=bool(args.gate_on_attention),
+            num_attention=int(getattr(args, "num_attention", 1)),
+            num_ffn=int(getattr(args, "num_ffn", 1)),
+            attention_tensor_parallel_size=int(getattr(args, "attention_tp", 1)),
+            ffn_expert_parallel=bool(getattr(args, "ffn_expert_parallel", False)),
             startup_timeout_s=600.0,
             afd={
                 **({"connector": args.connector} if args.connector else {}),
@@ -549,8 +569,17 @@ def run_bench(args: Any) -> int:
                     where.mkdir(parents=True, exist_ok=True)
                     spec = spec.replace(env={**spec.env, PROFILE_DIR_ENV: str(where)})
                 compile_mode = "eager" if spec.enforce_eager else "compiled"
+                shape = (
+                    f"{spec.num_attention}A{spec.num_ffn}F"
+                    + (
+                        f", TP{spec.attention_tensor_parallel_size}"
+                        if spec.attention_tensor_parallel_size > 1
+                        else ""
+                    )
+                    + (f", EP{spec.num_ffn}" if spec.ffn_expert_parallel else "")
+                )
                 what = (
-                    f"1A1F, {m} micro-batch{'es' if m > 1 else ''}, {compile_mode}"
+                    f"{shape}, {m} micro-batch{'es' if m > 1 else ''}, {compile_mode}"
                     if is_afd
                     else f"plain vLLM, CPUs {run.split('/')[1]}, {compile_mode}"
                 )
@@ -571,6 +600,7 @@ def run_bench(args: Any) -> int:
                         for c in levels:
                             bar.set_description(f"{run} c={c}")
                             started_ns = time.time_ns()
+                            counters = bench_metrics.scrape(dep.roles) if is_afd else {}
                             res[str(c)] = run_level(
                                 dep.url,
                                 prompts,
@@ -579,6 +609,14 @@ def run_bench(args: Any) -> int:
                                 args.output_len,
                                 on_done=lambda: bar.update(1),
                             )
+                            if is_afd:
+                                level = bench_metrics.delta(
+                                    counters, bench_metrics.scrape(dep.roles)
+                                )
+                                res[str(c)]["afd_roles"] = level
+                                bar.write(
+                                    f"[bench] {run} c={c}: {bench_metrics.format_level(level)}"
+                                )
                             if profiled:
                                 windows.setdefault(m, {})[str(c)] = (started_ns, time.time_ns())
                     by_run.setdefault(run, []).append(res)
@@ -643,6 +681,10 @@ def run_bench(args: Any) -> int:
             "native_modes": list(native_modes) if "native" in modes else [],
             "afd_modes": list(afd_modes) if "afd" in modes else [],
             "compute_gate_on_attention": base.compute_gate_on_attention,
+            "num_attention": base.num_attention,
+            "num_ffn": base.num_ffn,
+            "attention_tensor_parallel_size": base.attention_tensor_parallel_size,
+            "ffn_expert_parallel": base.ffn_expert_parallel,
             "connector": base.connector,
             "num_micro_batches": micro_batches,
             "micro_batch_min_tokens": int(base.afd.get("micro_batch_min_tokens", 0)),
