@@ -24,6 +24,7 @@ import logging
 from typing import Any
 
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.errors import AFDConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,13 @@ def _min_tokens_of(vllm_config: Any) -> int:
 
 def _prepare(vllm_config: Any) -> int:
     m = micro_batches_of(vllm_config)
+    # Before ubatch_size is set: it turns this copy of the config to vLLM's V1 model
+    # runner while the engine core's scheduler, which never sees it, may resolve to V2.
+    from afd_moe_runners.model_runner_choice import model_runner_problem
+
+    problem = model_runner_problem(bool(vllm_config.use_v2_model_runner), role="attention")
+    if problem is not None:
+        raise AFDConfigError(f"AFD worker: {problem}")
     if m > 1:
         vllm_config.parallel_config.ubatch_size = m
     return m
