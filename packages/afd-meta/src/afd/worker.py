@@ -12,6 +12,11 @@ vLLM builds its attention metadata builders:
   vLLM's own micro-batching stays off (the AFD runner never lets it split).
 * the model runner gets :class:`~afd_moe_runners.micro_batching.MicroBatchModelRunner`.
 
+First the worker refuses an engine whose config resolves to vLLM's V2 model runner (its
+CUDA default): ``ubatch_size`` turns only this copy of the config to V1, while the engine
+core's scheduler keeps V2 (:mod:`afd_moe_runners.model_runner_choice`;
+``VLLM_USE_V2_MODEL_RUNNER=0``, which ``afd serve`` sets, avoids it).
+
 ``afd serve`` / ``afd launch`` pass ``--worker-cls afd.worker.AFDCPUWorker`` (or
 ``AFDGPUWorker`` on CUDA) for the Attention role when m > 1; the AFD model refuses to
 build with m > 1 under any other worker. With m = 1 (or on the FFN role) these workers
