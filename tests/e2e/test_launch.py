@@ -174,6 +174,10 @@ def test_2a1f_serves_and_stops_on_sigterm(
         )
         assert warmed in ffn_log, ffn_log[-3000:]
         assert ffn_log.index(warmed) < ffn_log.index("waiting for attention ranks")
+        # afd serve ran both roles (and the attention server's engine and workers) on
+        # vLLM's V1 model runner: scheduler and micro-batching worker agree (issue 31)
+        for log in (attention_log, ffn_log):
+            assert "VLLM_USE_V2_MODEL_RUNNER=0 (vLLM's V1 model runner)" in log, log[-3000:]
         assert stopped_s < 10.0, f"teardown took {stopped_s:.1f} s"
         assert group_pgid_members([*pgids.values(), launcher.proc.pid]) == []
     finally:

@@ -93,6 +93,9 @@ def role_env(tmp: Path, devices: str | None = None) -> dict[str, str]:
     # pytest's tmp paths can be too long for vLLM's IPC socket names.
     env = {**child_environ(), "TMPDIR": str(role_tmp_dir(tmp)), "PYTHONUNBUFFERED": "1"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    # vLLM's V1 model runner, as afd serve sets it (docs/gpu.md, "Model runner: V1 only"):
+    # an Attention role started as vllm.LLM on CUDA would otherwise be refused (V2 there)
+    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
     return env

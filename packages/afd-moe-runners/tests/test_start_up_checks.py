@@ -47,6 +47,7 @@ def refusing_connector() -> Iterator[type[ShapeRefusingConnector]]:
 def vllm_config(connector: str, *, enable_dbo: bool) -> Any:
     return SimpleNamespace(
         additional_config={"afd": {"role": "attention", "connector": connector}},
+        use_v2_model_runner=False,  # vLLM's resolution on CPU (V1)
         parallel_config=SimpleNamespace(
             tensor_parallel_size=1,
             pipeline_parallel_size=1,
@@ -221,3 +222,14 @@ def test_the_fingerprint_carries_the_attention_tp_size(
         AFDToyForCausalLM(), config, afd, shared_experts_on_attention=False
     )
     assert fields["attention_tp"] == want
+
+
+@pytest.mark.parametrize("role", ["attention", "ffn"])
+def test_an_engine_on_vllms_v2_model_runner_is_refused_at_the_model_build(role: str) -> None:
+    # use_v2_model_runner: vLLM's own resolution (its CUDA default with triton is V2)
+    config = vllm_config("LoopbackAFDConnector", enable_dbo=False)
+    config.additional_config["afd"]["role"] = role
+    config.use_v2_model_runner = True
+    with pytest.raises(AFDConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0") as refused:
+        check_supported_parallelism(config, "AFDTestModel")
+    assert str(refused.value).startswith(f"AFDTestModel: the AFD {role} role would run on")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -50,9 +51,24 @@ def _cmd_connectors(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from afd.serve import serve_attention, serve_ffn
+    import logging
 
+    from afd.serve import serve_attention, serve_ffn
+    from afd_moe_runners.model_runner_choice import V2_RUNNER_ENV, serve_environment_problem
+
+    # Before vLLM is imported: this process and every process it starts run vLLM's V1
+    # model runner (docs/gpu.md, "Model runner").
+    problem = serve_environment_problem(os.environ, role=args.role)
+    if problem is not None:
+        print(f"afd serve: error: {problem}", file=sys.stderr)
+        return 2
     _setup_logging()
+    logging.getLogger("afd.serve").info(
+        "afd serve --role %s: %s=%s (vLLM's V1 model runner)",
+        args.role,
+        V2_RUNNER_ENV,
+        os.environ[V2_RUNNER_ENV],
+    )
     if args.role == "ffn":
         return serve_ffn(args.model, args.vllm_args)
     return serve_attention(args.model, args.vllm_args)

@@ -12,6 +12,11 @@ vLLM builds its attention metadata builders:
   vLLM's own micro-batching stays off (the AFD runner never lets it split).
 * the model runner gets :class:`~afd_moe_runners.micro_batching.MicroBatchModelRunner`.
 
+First the worker refuses an engine whose config resolves to vLLM's V2 model runner (its
+CUDA default): ``ubatch_size`` turns only this copy of the config to V1, while the engine
+core's scheduler keeps V2 (:mod:`afd_moe_runners.model_runner_choice`;
+``VLLM_USE_V2_MODEL_RUNNER=0``, which ``afd serve`` sets, avoids it).
+
 ``afd serve`` / ``afd launch`` pass ``--worker-cls afd.worker.AFDCPUWorker`` (or
 ``AFDGPUWorker`` on CUDA) for the Attention role when m > 1; the AFD model refuses to
 build with m > 1 under any other worker. With m = 1 (or on the FFN role) these workers
@@ -24,6 +29,7 @@ import logging
 from typing import Any
 
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.errors import AFDConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,13 @@ def _min_tokens_of(vllm_config: Any) -> int:
 
 def _prepare(vllm_config: Any) -> int:
     m = micro_batches_of(vllm_config)
+    # Before ubatch_size is set: it turns this copy of the config to vLLM's V1 model
+    # runner while the engine core's scheduler, which never sees it, may resolve to V2.
+    from afd_moe_runners.model_runner_choice import model_runner_problem
+
+    problem = model_runner_problem(bool(vllm_config.use_v2_model_runner), role="attention")
+    if problem is not None:
+        raise AFDConfigError(f"AFD worker: {problem}")
     if m > 1:
         vllm_config.parallel_config.ubatch_size = m
     return m

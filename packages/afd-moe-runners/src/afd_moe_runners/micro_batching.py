@@ -437,7 +437,7 @@ def install_micro_batching(model_runner: Any, num_micro_batches: int, min_tokens
         raise AFDConfigError(
             f"afd.num_micro_batches={num_micro_batches} needs vLLM's v1 model runner; "
             f"{base.__module__}.{base.__qualname__} has no {missing} (is the V2 model "
-            "runner enabled? unset VLLM_USE_V2_MODEL_RUNNER)"
+            "runner enabled? set VLLM_USE_V2_MODEL_RUNNER=0)"
         )
     if not isinstance(model_runner, MicroBatchModelRunner):
         cls = type(f"AFDMicroBatch{base.__name__}", (MicroBatchModelRunner, base), {})

@@ -37,6 +37,7 @@ from afd_core.weights import RoleWeightStats, WeightOwner, filter_role_weights
 from afd_moe_runners.dense import RemoteDenseMLP
 from afd_moe_runners.exchange import no_yield, scheduler_yield
 from afd_moe_runners.metrics import attention_peers_changed, attention_step_ended
+from afd_moe_runners.model_runner_choice import model_runner_problem
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ __all__ = [
     "tensor_parallel_problem",
     "compiled_graph_problem",
     "micro_batching_problem",
+    "model_runner_check",
     "layer_index",
     "no_yield",
     "scheduler_yield",
@@ -83,6 +85,7 @@ def check_supported_parallelism(vllm_config: VllmConfig, model_name: str) -> Non
     """
     afd = afd_config_of(vllm_config)
     get_connector_class(afd.connector).check_deployment(afd, vllm_config)
+    model_runner_check(vllm_config, afd.role.value, model_name)
     if afd.role is AFDRole.ATTENTION:
         problem = compiled_graph_problem(vllm_config, _current_device_type(), model_name)
         if problem is not None:
@@ -104,6 +107,15 @@ def check_supported_parallelism(vllm_config: VllmConfig, model_name: str) -> Non
             )
     if pc.enable_eplb:
         raise AFDConfigError(f"{model_name}: EPLB is not supported by afd yet; disable it")
+
+
+def model_runner_check(vllm_config: Any, role: str, model_name: str) -> None:
+    """Refuse an engine that runs vLLM's V2 model runner (its CUDA default), on every
+    platform (:mod:`afd_moe_runners.model_runner_choice`). The AFD worker checks the same
+    before it sets ``ubatch_size`` (which turns its own copy of the config to V1)."""
+    problem = model_runner_problem(bool(vllm_config.use_v2_model_runner), role=role)
+    if problem is not None:
+        raise AFDConfigError(f"{model_name}: {problem}")
 
 
 def tensor_parallel_problem(afd: AFDConfig, tensor_parallel_size: int) -> str | None:
