@@ -600,7 +600,9 @@ def run_bench(args: Any) -> int:
                         for c in levels:
                             bar.set_description(f"{run} c={c}")
                             started_ns = time.time_ns()
-                            counters = bench_metrics.scrape(dep.roles) if is_afd else {}
+                            counters = (
+                                bench_metrics.scrape(getattr(dep, "roles", ())) if is_afd else {}
+                            )
                             res[str(c)] = run_level(
                                 dep.url,
                                 prompts,
@@ -611,7 +613,7 @@ def run_bench(args: Any) -> int:
                             )
                             if is_afd:
                                 level = bench_metrics.delta(
-                                    counters, bench_metrics.scrape(dep.roles)
+                                    counters, bench_metrics.scrape(getattr(dep, "roles", ()))
                                 )
                                 res[str(c)]["afd_roles"] = level
                                 bar.write(
