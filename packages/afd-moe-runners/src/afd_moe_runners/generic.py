@@ -16,10 +16,14 @@ without a hand-written wrapper. Its constructor
    parameter-free :class:`~afd_moe_runners.dense.RemoteDenseMLP` stand-ins and shared
    experts parameter-free placeholders (dropped after construction); on the FFN role
    attention / recurrent layers, the embedding and the LM head are parameter-free
-   placeholders;
-3. drops what the Attention role's MoE blocks must not own (shared-expert gates; the
-   router when the gate runs on FFN, replaced by :class:`~afd_moe_runners.role_model.
-   NoGate`), and checks each role's parameter inventory against the plan.
+   placeholders. Where the connector's capabilities put the dense layers or the shared
+   experts on the Attention role (:func:`~afd_moe_runners.builder.dense_layers_on_attention`,
+   :func:`~afd_moe_runners.builder.shared_experts_on_attention`), that role builds them
+   natively and the FFN role gets the placeholders instead;
+3. drops what the Attention role's MoE blocks must not own (shared-expert gates, unless
+   the shared experts run there; the router when the gate runs on FFN, replaced by
+   :class:`~afd_moe_runners.role_model.NoGate`), and checks each role's parameter
+   inventory against the plan.
 
 Checkpoint tensors are assigned to roles by the same plan (vLLM paths after the
 model's own ``hf_to_vllm_mapper``), so no per-family weight table exists either.
