@@ -134,6 +134,29 @@ def test_tensor_owners(checks: Any, name: str) -> None:
         ), tensor
 
 
+def test_tensors_of_what_the_attention_role_computes_go_to_attention(checks: Any) -> None:
+    """Dense layers (a connector without hidden-only payloads) and shared experts (NPU
+    runners, gate on Attention) computed on Attention: their tensors load there only."""
+    from afd_moe_runners.generic import classify_weight, native_model_class
+
+    result = checks("deepseek_v3")
+    native = native_model_class(result.architecture)
+
+    def owner(tensor: str, **placement: bool) -> WeightOwner:
+        return classify_weight(native, result.plan, tensor, gate_on_attention=True, **placement)
+
+    dense = "model.layers.0.mlp.gate_proj.weight"
+    shared = "model.layers.1.mlp.shared_experts.up_proj.weight"
+    routed = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert (owner(dense), owner(shared)) == (F, F)
+    assert owner(dense, dense_on_attention=True) is A
+    assert owner(shared, dense_on_attention=True) is F
+    assert owner(shared, shared_on_attention=True) is A
+    assert owner(dense, shared_on_attention=True) is F
+    both = {"dense_on_attention": True, "shared_on_attention": True}
+    assert (owner(routed, **both), owner("model.layers.1.mlp.gate.weight", **both)) == (F, B)
+
+
 def test_every_checkpoint_tensor_has_an_owner(checks: Any, tiny_models: dict[str, Path]) -> None:
     """No tensor of a real checkpoint falls outside the plan's categories unnoticed: each
     is attention, FFN-block or shared (norms), and the FFN-block ones are many."""

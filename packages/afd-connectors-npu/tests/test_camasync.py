@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from afd_connectors_npu.camasync import CAMAsyncAFDConnector
+from afd_connectors_npu.camp2p import CAMP2pAFDConnector
 from afd_connectors_npu.routing import A2ECodec
 from afd_connectors_npu.testing import FakeCAMFabric
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.topology import AFDTopology
-from afd_core.transfer import AttentionToFFN, FFNToAttention
+from afd_core.transfer import AttentionToFFN, FFNToAttention, PayloadKind
 
 GATE = {"compute_gate_on_attention": True}
 
@@ -153,3 +154,41 @@ def test_answer_for_another_micro_batch_is_a_mismatch(cam_deployment) -> None:
     ffn.send_to_attention(batch, FFNToAttention(batch.payload.hidden_states))
     with pytest.raises(AFDTransferMismatchError, match="micro-batch 0"):
         att.recv_from_ffn(layer_idx=0, micro_batch_idx=1)
+
+
+def _payload_of(kind: PayloadKind) -> AttentionToFFN:
+    routed = _routed(0, 0, 2)
+    extra: dict[str, Any] = {
+        PayloadKind.HIDDEN: {},
+        PayloadKind.HIDDEN_TOPK: {
+            "topk_ids": routed.topk_ids,
+            "topk_weights": routed.topk_weights,
+        },
+        PayloadKind.HIDDEN_ROUTER_LOGITS: {"router_logits": torch.randn(2, 64)},
+        PayloadKind.HIDDEN_TOKEN_IDS: {"token_ids": torch.tensor([1, 2])},
+    }[kind]
+    return AttentionToFFN(routed.hidden_states, **extra)
+
+
+@pytest.mark.parametrize(
+    ("connector_cls", "settings"),
+    [(CAMAsyncAFDConnector, GATE), (CAMP2pAFDConnector, GATE)],
+    ids=["CAMAsync", "CAMP2p"],
+)
+def test_declared_payload_kinds_are_the_ones_send_to_ffn_takes(
+    cam_deployment, connector_cls: type, settings: dict[str, Any]
+) -> None:
+    """The capability the runners decide on (a connector without HIDDEN keeps dense
+    layers on Attention) is what the connector really carries."""
+    _, ranks = cam_deployment(connector_cls, **settings)
+    attention = ranks[("attention", 0)]
+    caps = connector_cls.capabilities
+    for layer, kind in enumerate(k for k in PayloadKind if k.is_attention_to_ffn):
+        payload = _payload_of(kind)
+        assert payload.kind is kind
+        if caps.carries(kind):
+            attention.send_to_ffn(payload, layer_idx=layer)
+        else:
+            with pytest.raises(AFDConfigError):
+                attention.send_to_ffn(payload, layer_idx=layer)
+    assert caps.carries(PayloadKind.HIDDEN) is (connector_cls is CAMP2pAFDConnector)

@@ -358,6 +358,83 @@ def test_shared_experts_run_on_attention_only_on_npu_with_the_gate_there(
     assert shared_experts_on_attention(config, platform=platform) is expected
 
 
+@pytest.mark.parametrize(
+    ("connector", "gate_on_attention", "expected"),
+    [
+        ("CAMAsyncAFDConnector", True, True),  # top-k dispatches only
+        ("CAMP2pAFDConnector", True, False),
+        ("CAMP2pAFDConnector", False, False),
+        ("P2pGlooAFDConnector", True, False),
+        ("P2pNcclAFDConnector", False, False),
+        ("LoopbackAFDConnector", True, False),
+    ],
+)
+def test_dense_layers_stay_on_attention_only_where_the_connector_carries_no_hidden_payload(
+    connector: str, gate_on_attention: bool, expected: bool
+) -> None:
+    from afd_moe_runners.builder import dense_layers_on_attention
+
+    config = attention_config(
+        connector=connector,
+        compute_gate_on_attention=gate_on_attention,
+    )
+    assert dense_layers_on_attention(config) is expected
+
+
+def test_dense_placement_follows_declared_payload_kinds_not_the_name() -> None:
+    from afd_core.connector import ConnectorCapabilities
+    from afd_core.registry import register_connector, unregister_connector
+    from afd_core.testing.loopback import LoopbackAFDConnector
+    from afd_core.transfer import PayloadKind
+    from afd_moe_runners.builder import dense_layers_on_attention
+
+    class TopKOnly(LoopbackAFDConnector):
+        name = "TopKOnlyConnector"
+        capabilities = ConnectorCapabilities(payload_kinds=frozenset({PayloadKind.HIDDEN_TOPK}))
+
+    register_connector(TopKOnly.name, TopKOnly)
+    try:
+        config = attention_config(connector=TopKOnly.name, compute_gate_on_attention=True)
+        assert dense_layers_on_attention(config) is True
+    finally:
+        unregister_connector(TopKOnly.name)
+
+
+@pytest.mark.parametrize(
+    ("platform", "connector", "role", "forbidden", "allowed"),
+    [
+        # cpu / cuda: dense layers and shared experts belong to the FFN role.
+        ("cpu", "P2pGlooAFDConnector", "attention", {"dense_mlp", "shared_experts"}, set()),
+        ("cpu", "P2pGlooAFDConnector", "ffn", set(), {"dense_mlp", "shared_experts"}),
+        # npu, CAMAsync (gate on Attention): both on Attention.
+        ("npu", "CAMAsyncAFDConnector", "attention", set(), {"dense_mlp", "shared_experts"}),
+        ("npu", "CAMAsyncAFDConnector", "ffn", {"dense_mlp", "shared_experts"}, set()),
+        # npu, CAMP2p with the gate on Attention: shared experts on Attention, dense on FFN.
+        ("npu", "CAMP2pAFDConnector", "attention", {"dense_mlp"}, {"shared_experts"}),
+        ("npu", "CAMP2pAFDConnector", "ffn", {"shared_experts"}, {"dense_mlp"}),
+    ],
+)
+def test_each_role_may_own_only_the_modules_it_computes(
+    monkeypatch: pytest.MonkeyPatch,
+    platform: str,
+    connector: str,
+    role: str,
+    forbidden: set[str],
+    allowed: set[str],
+) -> None:
+    from afd_core.config import AFDRole
+    from afd_moe_runners import builder
+    from afd_moe_runners.role_model import _forbidden_categories
+
+    monkeypatch.setattr(builder, "current_platform_name", lambda: platform)
+    config = attention_config(
+        role=AFDRole(role), connector=connector, compute_gate_on_attention=True
+    )
+    categories = set(_forbidden_categories(config))
+    assert forbidden <= categories
+    assert not allowed & categories
+
+
 @pytest.mark.parametrize(("platform", "connector"), [("npu", "CAMP2pAFDConnector"), ("cpu", None)])
 def test_build_keeps_shared_experts_on_attention_only_on_npu(
     vllm_config: Any, moe_runner_as_ascend_base: None, platform: str, connector: str | None

@@ -42,6 +42,8 @@ class CAMAsyncAFDConnector(CAMConnector):
         gate_placements=frozenset({"attention"}),
         platform_runners=True,
         shared_experts_on_attention=True,
+        # No hidden-only messages: dense layers stay on the Attention role.
+        payload_kinds=frozenset({PayloadKind.HIDDEN_TOPK}),
     )
 
     def __init__(

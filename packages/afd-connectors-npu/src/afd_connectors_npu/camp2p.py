@@ -20,7 +20,7 @@ from afd_connectors_npu.ops import A2EMessage, CAMOps, E2AMessage
 from afd_core.config import AFDConfig, RoutingPayload
 from afd_core.connector import ConnectorCapabilities
 from afd_core.errors import AFDConfigError
-from afd_core.transfer import AttentionToFFN
+from afd_core.transfer import AttentionToFFN, PayloadKind
 
 __all__ = ["CAMP2pAFDConnector"]
 
@@ -34,6 +34,10 @@ class CAMP2pAFDConnector(CAMConnector):
         platform_runners=True,
         shared_experts_on_attention=True,
         ffn_external_routing=True,
+        # Router logits are not carried.
+        payload_kinds=frozenset(
+            {PayloadKind.HIDDEN, PayloadKind.HIDDEN_TOPK, PayloadKind.HIDDEN_TOKEN_IDS}
+        ),
     )
 
     def _check_config(self, config: AFDConfig) -> None:

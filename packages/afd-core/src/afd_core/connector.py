@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Self
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.topology import AFDTopology
-from afd_core.transfer import AttentionToFFN, FFNToAttention, TransferHeader
+from afd_core.transfer import AttentionToFFN, FFNToAttention, PayloadKind, TransferHeader
 
 __all__ = ["AFDConnector", "ConnectorCapabilities", "FFNBatch"]
 
@@ -57,9 +57,17 @@ class ConnectorCapabilities:
     platform's communication framework (``platform_runners`` platforms only)."""
     same_host_only: bool = False
     """Every rank must run on one host (shared memory)."""
+    payload_kinds: frozenset[PayloadKind] | None = None
+    """The Attention -> FFN payload kinds it carries; None: every kind. A connector that
+    does not carry ``PayloadKind.HIDDEN`` (hidden states alone) cannot take a dense
+    layer's input: the Attention role then computes its dense layers itself."""
 
     def supports_platform(self, platform: str) -> bool:
         return self.platforms is None or platform in self.platforms
+
+    def carries(self, kind: PayloadKind) -> bool:
+        """Whether Attention -> FFN messages of ``kind`` go through this connector."""
+        return self.payload_kinds is None or kind in self.payload_kinds
 
     def describe_platforms(self) -> str:
         return "every platform" if self.platforms is None else ", ".join(sorted(self.platforms))

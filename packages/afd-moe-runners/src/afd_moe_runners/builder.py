@@ -18,6 +18,12 @@ attention  ``platform_runners`` on npu, gate FFN  AFDNPURemoteExpertsRunner + re
 attention  ``platform_runners`` on npu, gate Att  AFDNPUAttentionGateRunner + remote experts
 =========  =====================================  =========================================
 
+Dense (non-MoE) layers (:func:`dense_layers_on_attention`): the FFN role computes them
+(the Attention role sends their input as a hidden-states-only payload), except with a
+connector that does not carry that payload (CAMAsync carries top-k dispatches only):
+the Attention role then builds, loads and runs them itself, and the FFN role does not
+build them.
+
 Shared experts (:func:`shared_experts_on_attention`): the FFN role computes them (with
 the gate on Attention it returns their output separately), except with a connector
 declaring ``shared_experts_on_attention`` on its platform's runners with the gate on
@@ -40,6 +46,7 @@ from afd_core.config import AFDConfig, AFDRole, RoutingPayload
 from afd_core.connector import ConnectorCapabilities
 from afd_core.errors import AFDConfigError
 from afd_core.registry import get_connector_class
+from afd_core.transfer import PayloadKind
 
 if TYPE_CHECKING:
     from afd_moe_runners.exchange import MicroBatchYield
@@ -51,6 +58,7 @@ __all__ = [
     "afd_moe_factory",
     "current_platform_name",
     "shared_experts_on_attention",
+    "dense_layers_on_attention",
     "ffn_external_routing",
 ]
 
@@ -110,6 +118,18 @@ def shared_experts_on_attention(afd_config: AFDConfig, *, platform: str | None =
     return _uses_platform_runners(platform, afd_config) and (
         capabilities(afd_config).shared_experts_on_attention
     )
+
+
+def dense_layers_on_attention(afd_config: AFDConfig) -> bool:
+    """Whether the Attention role computes the dense (non-MoE) layers (else the FFN role).
+
+    True when the connector does not carry hidden states alone
+    (:meth:`~afd_core.connector.ConnectorCapabilities.carries` ``PayloadKind.HIDDEN``),
+    which a remote dense layer would send: CAMAsync. Both roles must agree; the
+    Attention role builds and loads those layers natively, the FFN role builds none of
+    them and refuses a request for one.
+    """
+    return not capabilities(afd_config).carries(PayloadKind.HIDDEN)
 
 
 def ffn_external_routing(

@@ -16,10 +16,14 @@ without a hand-written wrapper. Its constructor
    parameter-free :class:`~afd_moe_runners.dense.RemoteDenseMLP` stand-ins and shared
    experts parameter-free placeholders (dropped after construction); on the FFN role
    attention / recurrent layers, the embedding and the LM head are parameter-free
-   placeholders;
-3. drops what the Attention role's MoE blocks must not own (shared-expert gates; the
-   router when the gate runs on FFN, replaced by :class:`~afd_moe_runners.role_model.
-   NoGate`), and checks each role's parameter inventory against the plan.
+   placeholders. Where the connector's capabilities put the dense layers or the shared
+   experts on the Attention role (:func:`~afd_moe_runners.builder.dense_layers_on_attention`,
+   :func:`~afd_moe_runners.builder.shared_experts_on_attention`), that role builds them
+   natively and the FFN role gets the placeholders instead;
+3. drops what the Attention role's MoE blocks must not own (shared-expert gates, unless
+   the shared experts run there; the router when the gate runs on FFN, replaced by
+   :class:`~afd_moe_runners.role_model.NoGate`), and checks each role's parameter
+   inventory against the plan.
 
 Checkpoint tensors are assigned to roles by the same plan (vLLM paths after the
 model's own ``hf_to_vllm_mapper``), so no per-family weight table exists either.
@@ -137,11 +141,13 @@ def _remote_dense_class(cls: type) -> type:
 
 
 @functools.cache
-def _absent_class(cls: type) -> type:
-    """A parameter-free stand-in that is an instance of ``cls``, for a shared expert the
-    Attention role must not build: the block's constructor still sees a module where
-    the native one would be (vLLM's blocks decide other arguments on ``is None``), and
-    the block drops it right after construction."""
+def _absent_class(cls: type, computed_by: AFDRole = AFDRole.FFN) -> type:
+    """A parameter-free stand-in that is an instance of ``cls``, for a module this role
+    must not build because the ``computed_by`` role runs it (a shared expert on the
+    Attention role; a dense MLP or shared expert on the FFN role where the Attention
+    role computes those): the constructor around it still sees a module where the
+    native one would be (vLLM's blocks decide other arguments on ``is None``)."""
+    here = AFDRole.ATTENTION if computed_by is AFDRole.FFN else AFDRole.FFN
 
     def __init__(self: Any, prefix: str) -> None:
         nn.Module.__init__(self)  # not cls.__init__: it would build the weights
@@ -149,8 +155,8 @@ def _absent_class(cls: type) -> type:
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
-            f"{self.afd_prefix}: the FFN role computes this module; it must not run on the "
-            "AFD Attention role"
+            f"{self.afd_prefix}: the {computed_by.value} role computes this module; it must "
+            f"not run on the AFD {here.value} role"
         )
 
     return type(
@@ -160,10 +166,33 @@ def _absent_class(cls: type) -> type:
     )
 
 
+def _on_attention(afd: AFDConfig) -> tuple[bool, bool]:
+    """(dense layers, shared experts): whether the Attention role computes them, as the
+    connector's capabilities decide (:mod:`afd_moe_runners.builder`); on cpu / cuda both
+    are False (the FFN role computes them)."""
+    from afd_moe_runners.builder import dense_layers_on_attention, shared_experts_on_attention
+
+    return dense_layers_on_attention(afd), shared_experts_on_attention(afd)
+
+
+def _shared_prefixes(plan: SplitPlan) -> list[str]:
+    return [f"{m}.{attr}" for m in plan.moe_prefixes() for attr in plan.moe_extra_modules]
+
+
 def _interceptions(plan: SplitPlan, afd: AFDConfig) -> dict[type, dict[str, Callable[[str], Any]]]:
     """Per class to intercept: module path -> what to build there instead."""
     out: dict[type, dict[str, Callable[[str], Any]]] = {}
+    dense_here, shared_here = _on_attention(afd)
     if afd.role is AFDRole.FFN:
+        # What the Attention role computes (connector without hidden-only payloads; NPU
+        # runners with the gate on Attention): not built here.
+        local = ([*plan.dense_prefixes()] if dense_here else []) + (
+            _shared_prefixes(plan) if shared_here else []
+        )
+        for cls in plan.ffn_classes if local else ():
+            out[cls] = dict.fromkeys(
+                local, lambda p, cls=cls: _absent_class(cls, AFDRole.ATTENTION)(p)
+            )
         for cls in plan.attention_classes:
             out[cls] = dict.fromkeys(
                 plan.attention_prefixes(), lambda p: role_model.NoAttention(prefix=p)
@@ -176,8 +205,9 @@ def _interceptions(plan: SplitPlan, afd: AFDConfig) -> dict[type, dict[str, Call
             else:
                 out[cls] = dict.fromkeys(plan.embedding_prefixes, lambda p: PPMissingLayer())
         return out
-    dense = plan.dense_prefixes()
-    shared = [f"{m}.{attr}" for m in plan.moe_prefixes() for attr in plan.moe_extra_modules]
+    # Built natively where the Attention role computes them (``dense_here``/``shared_here``).
+    dense = {} if dense_here else plan.dense_prefixes()
+    shared = [] if shared_here else _shared_prefixes(plan)
     for cls in plan.ffn_classes:
         make: dict[str, Callable[[str], Any]] = dict.fromkeys(
             shared, lambda p, cls=cls: _absent_class(cls)(p)
@@ -232,15 +262,29 @@ def _role_construction(plan: SplitPlan, afd: AFDConfig, vllm_config: VllmConfig)
 
 def _strip_attention_moe(model: nn.Module, plan: SplitPlan, afd: AFDConfig) -> None:
     """Drop what an Attention-role MoE block must not own (built natively, unused)."""
+    shared_here = _on_attention(afd)[1]
     for path in plan.moe_prefixes():
         block = model.get_submodule(path)
-        for attr in plan.moe_extra_attrs:
+        for attr in () if shared_here else plan.moe_extra_attrs:
             if getattr(block, attr, None) is not None:
                 setattr(block, attr, None)
         if not afd.compute_gate_on_attention:
             for attr in plan.gate_attrs:
                 if getattr(block, attr, None) is not None:
                     setattr(block, attr, role_model.NoGate())
+
+
+def _strip_ffn_moe(model: nn.Module, plan: SplitPlan, afd: AFDConfig) -> None:
+    """With the shared experts on the Attention role, drop the FFN-role MoE blocks' leaf
+    extras (a shared-expert gate: built natively, never run here; whole shared-expert
+    modules were not built at all)."""
+    if not _on_attention(afd)[1]:
+        return
+    for path in plan.moe_prefixes():
+        block = model.get_submodule(path)
+        for attr in plan.moe_extra_attrs - plan.moe_extra_modules:
+            if getattr(block, attr, None) is not None:
+                setattr(block, attr, None)
 
 
 def _default_prefix(native: type) -> str:
@@ -286,6 +330,8 @@ class GenericRoleModel(role_model.AFDRoleModel):
         self.afd_plan = plan
         if afd.role is AFDRole.ATTENTION:
             _strip_attention_moe(self, plan, afd)  # type: ignore[arg-type]
+        else:
+            _strip_ffn_moe(self, plan, afd)  # type: ignore[arg-type]
         self.afd_runtime = role_model.RoleRuntime(
             self,  # type: ignore[arg-type]
             afd,
@@ -304,28 +350,48 @@ class GenericRoleModel(role_model.AFDRoleModel):
         return self.get_submodule(self.afd_plan.layers_prefix)  # type: ignore[attr-defined]
 
     def afd_ffn_blocks(self) -> dict[int, nn.Module]:
-        return self.afd_plan.ffn_blocks(self)  # type: ignore[arg-type]
+        blocks = self.afd_plan.ffn_blocks(self)  # type: ignore[arg-type]
+        if _on_attention(self.afd_config)[0]:  # dense layers run on the Attention role
+            moe = self.afd_plan.moe_prefixes().values()
+            blocks = {idx: block for idx, block in blocks.items() if idx in moe}
+        return blocks
 
     def afd_classify_weight(self, name: str) -> WeightOwner:
+        dense_here, shared_here = _on_attention(self.afd_config)
         return classify_weight(
             self.afd_native_class,
             self.afd_plan,
             name,
             gate_on_attention=self.afd_config.compute_gate_on_attention,
+            dense_on_attention=dense_here,
+            shared_on_attention=shared_here,
         )
 
 
 def classify_weight(
-    native: type, plan: SplitPlan, name: str, *, gate_on_attention: bool
+    native: type,
+    plan: SplitPlan,
+    name: str,
+    *,
+    gate_on_attention: bool,
+    dense_on_attention: bool = False,
+    shared_on_attention: bool = False,
 ) -> WeightOwner:
     """Which role loads checkpoint tensor ``name``: the plan's owner of its vLLM path
     (after the model's own ``hf_to_vllm_mapper``; a name the mapper drops goes to both
-    roles, whose native loaders skip it)."""
+    roles, whose native loaders skip it). ``dense_on_attention`` / ``shared_on_attention``:
+    the Attention role computes the dense layers / shared experts (see
+    :func:`~afd_moe_runners.split_plan.SplitPlan.owner`)."""
     mapper = getattr(native, "hf_to_vllm_mapper", None)
     vllm_name = mapper.map_name(name) if mapper is not None else name
     if vllm_name is None:
         return WeightOwner.BOTH
-    return plan.owner(vllm_name, gate_on_attention=gate_on_attention)
+    return plan.owner(
+        vllm_name,
+        gate_on_attention=gate_on_attention,
+        dense_on_attention=dense_on_attention,
+        shared_on_attention=shared_on_attention,
+    )
 
 
 def _is_multimodal(native: type) -> bool:

@@ -371,9 +371,17 @@ def parameter_inventory(model: nn.Module) -> dict[str, int]:
 
 
 def _forbidden_categories(afd: AFDConfig) -> tuple[str, ...]:
+    # Dense layers / shared experts belong to the role that computes them, which the
+    # connector's capabilities decide (afd_moe_runners.builder).
+    from afd_moe_runners.builder import dense_layers_on_attention, shared_experts_on_attention
+
+    local = {
+        "dense_mlp": dense_layers_on_attention(afd),
+        "shared_experts": shared_experts_on_attention(afd),
+    }
     if afd.role is AFDRole.FFN:
-        return ("attention", "embedding")
-    forbidden = ["routed_experts", "dense_mlp", "shared_experts"]
+        return ("attention", "embedding", *(c for c, here in local.items() if here))
+    forbidden = ["routed_experts", *(c for c, here in local.items() if not here)]
     if not afd.compute_gate_on_attention:
         forbidden.append("gate")
     return tuple(forbidden)

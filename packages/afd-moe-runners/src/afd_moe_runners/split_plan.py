@@ -186,17 +186,30 @@ class SplitPlan:
         counts["total"] = sum(counts.values())
         return dict(counts)
 
-    def owner(self, vllm_name: str, *, gate_on_attention: bool) -> WeightOwner:
+    def owner(
+        self,
+        vllm_name: str,
+        *,
+        gate_on_attention: bool,
+        dense_on_attention: bool = False,
+        shared_on_attention: bool = False,
+    ) -> WeightOwner:
         """Which role loads the checkpoint tensor at vLLM path ``vllm_name``.
 
         Attention (and recurrent state), embedding and LM head: Attention. FFN blocks:
         FFN, except the router with the gate on Attention: both (the FFN role keeps the
         native block); a block tensor that is none of its modules (vLLM's loader renames
-        it): as the router. Norms and anything else: both (each native loader skips what it
+        it): as the router. Dense MLPs with ``dense_on_attention`` and shared experts with
+        ``shared_on_attention`` (:mod:`afd_moe_runners.builder`): Attention, which builds
+        and runs them. Norms and anything else: both (each native loader skips what it
         did not build).
         """
         category = self.category(vllm_name)
         if category in ("attention", "embedding"):
+            return WeightOwner.ATTENTION
+        if (category == "dense_mlp" and dense_on_attention) or (
+            category == "shared_experts" and shared_on_attention
+        ):
             return WeightOwner.ATTENTION
         if category in ("routed_experts", "shared_experts", "dense_mlp"):
             return WeightOwner.FFN
