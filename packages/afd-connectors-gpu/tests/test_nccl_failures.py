@@ -112,3 +112,71 @@ def test_a_late_nccl_send_times_out_and_aborts_both_communicators_as_a_receive_d
     assert "sending to attention rank 0" in str(err.value)
     assert 0.25 <= time.monotonic() - start < 2.0
     assert all(g.aborted for g in fakes.values())
+
+
+class FakeNcclPairGroup(FakeNcclGroup):
+    """A fake NCCL process group of one direction that records its point-to-point
+    operations; their works complete at once (or never, for ``silent`` peers)."""
+
+    def __init__(self, name: str, log: list[tuple[str, str, int]], silent: set[int]) -> None:
+        super().__init__()
+        self.name, self.log, self.silent = name, log, silent
+
+    def _op(self, op: str, peer: int) -> FakeNcclWork:
+        self.log.append((self.name, op, peer))
+        return FakeNcclWork() if peer in self.silent else _DoneWork()
+
+    def send(self, tensors: Any, peer: int, tag: int) -> FakeNcclWork:
+        return self._op("send", peer)
+
+    def recv(self, tensors: Any, peer: int, tag: int) -> FakeNcclWork:
+        return self._op("recv", peer)
+
+
+class _DoneWork(FakeNcclWork):
+    def is_completed(self) -> bool:
+        return True
+
+
+def _warm_connector(
+    role: str,
+    rank: int,
+    silent: set[int] = frozenset(),  # type: ignore[assignment]
+) -> tuple[P2pNcclAFDConnector, list[tuple[str, str, int]], dict[str, FakeNcclPairGroup]]:
+    config = AFDConfig(
+        role=role,
+        connector="P2pNcclAFDConnector",
+        num_attention_ranks=2,
+        num_ffn_ranks=1,
+        transfer_timeout_s=0.3,
+    )
+    conn = P2pNcclAFDConnector(config, rank=rank)
+    log: list[tuple[str, str, int]] = []
+    fakes = {d: FakeNcclPairGroup(d, log, set(silent)) for d in (A2F, F2A)}
+    conn._group = DataPlaneGroup(store=None, gloo=None, nccl=dict(fakes))
+    return conn, log, fakes
+
+
+@pytest.mark.parametrize(("role", "rank"), [("attention", 0), ("attention", 1), ("ffn", 0)])
+def test_init_sets_up_every_pairs_communicators_in_one_global_order(role: str, rank: int) -> None:
+    """Each (peer, direction) pair exchanges one message in init(), A->F before F->A, in
+    ascending (attention rank, FFN rank) order on every rank, so no two ranks can wait
+    for each other's communicator set-up in opposite orders."""
+    conn, log, _ = _warm_connector(role, rank)  # 2 attention ranks, 1 FFN rank
+    conn._warm_up_communicators()
+    me = rank if role == "attention" else 2 + rank
+    peers = [2] if role == "attention" else [0, 1]
+    send, recv = ("send", "recv") if role == "attention" else ("recv", "send")
+    assert log == [op for p in peers for op in ((A2F, send, p), (F2A, recv, p))]
+    keys = [(min(me, p), max(me, p), d) for d, _, p in log]
+    assert keys == sorted(keys)
+
+
+def test_a_peer_that_never_answers_the_warm_up_fails_init_and_aborts_nccl() -> None:
+    conn, log, fakes = _warm_connector("ffn", 0, silent={1})
+    start = time.monotonic()
+    with pytest.raises(AFDTimeoutError, match="receiving from attention rank 1"):
+        conn._warm_up_communicators()
+    assert time.monotonic() - start < 5
+    assert all(f.aborted for f in fakes.values())
+    assert log[-1] == (A2F, "recv", 1)

@@ -544,6 +544,44 @@ class P2pNcclAFDConnector(P2pAFDConnector):
             made = self._pool.preallocate(self._peers, spec, self.config.num_micro_batches)
             logger.info("%s: preallocated %.1f MiB of receive buffers", self.label, made / 2**20)
 
+    def _join(self) -> None:
+        super()._join()
+        self._warm_up_communicators()
+
+    def _warm_up_communicators(self) -> None:
+        """Set up the NCCL communicator of every (peer, direction) pair now, with one
+        one-element message each way, instead of inside the first real exchange (the
+        Attention role's profiling run). torch creates a pair's communicator at its first
+        operation, together on both ranks, blocking: every rank visits its pairs in the
+        same global order (attention rank, FFN rank, A->F before F->A), so two ranks never
+        wait for each other in opposite orders. A peer that does not answer within
+        ``transfer_timeout_s`` fails ``init()`` as a late exchange would."""
+        import torch
+
+        group = self._group
+        assert group is not None
+        t0 = time.monotonic()
+        timeout = self.config.transfer_timeout_s
+        attention = self.role is AFDRole.ATTENTION
+        a2f, f2a = group.nccl[A2F], group.nccl[F2A]
+        for peer in sorted(self._peers):
+            one = torch.zeros(1, device=self._device)
+            steps = (
+                ((a2f, "send", "sending to"), (f2a, "recv", "receiving from"))
+                if attention
+                else ((a2f, "recv", "receiving from"), (f2a, "send", "sending to"))
+            )
+            for pg, op, action in steps:
+                work = getattr(pg, op)([one if op == "send" else torch.empty_like(one)],
+                                       peer, _DATA_TAG)  # fmt: skip
+                self._wait_data(work, peer, time.monotonic() + timeout, timeout, action)
+        logger.info(
+            "%s: NCCL communicators with %d peer(s) set up in %.2f s (both directions)",
+            self.label,
+            len(self._peers),
+            time.monotonic() - t0,
+        )
+
     def _watch_peer(self, work: Any, peer: int) -> None:
         try:
             work.wait(_FOREVER)
