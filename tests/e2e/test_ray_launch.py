@@ -11,10 +11,13 @@ role's guard), no actor or placement group of the deployment in the cluster.
 * 1A1F: stopped by SIGTERM (exit 0, ``stopped; no process left``).
 * 2A1F: the FFN actor is killed (``ray.kill``); the launcher names the role that died,
   stops the rest and exits 1.
+* Attention TP2 + FFN EP2 (float32, against native TP=2): Ray places the attention
+  server's two TP workers (one CPU list each) and both FFN servers, the rendezvous ports
+  of both expert planes on the attention actor's node; stopped by SIGTERM.
 
 Ray is the meta package's ``ray`` extra: without it the module is skipped with the reason
-(``nox -s tests-matrix`` installs it, and runs the 2A1F test; the 1A1F one is
-``extended``, out of CI for its time budget).
+(``nox -s tests-matrix`` installs it, and runs the 2A1F test; the 1A1F and TP2 + EP2 ones
+are ``extended``, out of CI for its time budget).
 """
 
 from __future__ import annotations
@@ -326,5 +329,58 @@ def test_ray_2a1f_parity_then_killed_ffn_actor_stops_the_rest(
         _assert_nothing_left(ray_cluster, launcher, model)
         print(f"2A1F on Ray: ready in {startup_s:.1f} s; after the FFN actor's kill: "
               f"{died[0]!r}, exit {rc} in {stop_s:.1f} s")  # fmt: skip
+    finally:
+        launcher.kill_all()
+
+
+@pytest.mark.extended  # out of CI for its time budget (`nox -s tests-extended`)
+def test_ray_attention_tp2_ffn_ep2_parity_then_sigterm_leaves_nothing(
+    ray_cluster: RayCluster,
+    ray_model: Path,
+    native_references: Any,
+    tmp_path: Path,
+) -> None:
+    from afd_references import singles
+
+    from afd.demo import complete_each
+
+    model = ray_model
+    # MLA under TP gives other tokens than TP=1 natively (VLLM_CPU_FACTS.md): native TP=2.
+    native = native_references.tokens(
+        model, singles(PROMPTS), dtype="float32", max_tokens=32,
+        llm_kwargs={"tensor_parallel_size": 2},
+    )  # fmt: skip
+    spec = tmp_path / "tp2-ep2.toml"
+    spec.write_text(
+        f'model = "{model}"\nnum_attention = 1\nnum_ffn = 2\nffn_expert_parallel = true\n'
+        'attention_tensor_parallel_size = 2\ndtype = "float32"\n'
+        f'log_dir = "{tmp_path / "logs"}"\nenforce_eager = true\n'
+        "[afd]\nconnect_timeout_s = 300\ntransfer_timeout_s = 120\n"
+        f'[ray]\nnamespace = "{NAMESPACE}"\nplacement_timeout_s = 60\n'
+        # 2 attention workers + 2 FFN servers on the loopback cluster's 2 CPUs
+        "[ray.attention]\nnum_cpus = 0.5\n[ray.ffn]\nnum_cpus = 0.5\n"
+    )
+    launcher = Launcher(spec, tmp_path, "--ray", ray_cluster.address, env=ray_cluster.env)
+    try:
+        ready = launcher.wait_for(r"running; Ctrl-C or SIGTERM", STARTUP_S)
+        out = launcher.output
+        assert ready, f"deployment did not come up:\n{out[-8000:]}"
+        url = re.findall(r"^\[afd\]\s+(http://[\d.]+:\d+)/v1", out, re.M)[0]
+        assert re.search(r"^\[afd\] ray placement group .*attn=\{CPU: 1\}", out, re.M), out[-3000:]
+        # both expert planes' rendezvous ports on the attention actor's node
+        ports = re.search(r"^\[afd\] rendezvous: 127\.0\.0\.1:(\d+)-(\d+) ", out, re.M)
+        assert ports and int(ports[2]) == int(ports[1]) + 1, out[-3000:]
+        for f in range(2):
+            assert re.search(
+                rf"^\[ffn{f}\] .*AFD FFN rank {f} of 2 \(expert parallel\): routed_experts_held=",
+                out, re.M,
+            ), out[-3000:]  # fmt: skip
+        got, _ = complete_each(url, PROMPTS)
+        assert_same_tokens(got, native, PROMPTS)
+        launcher.proc.send_signal(signal.SIGTERM)
+        rc = launcher.proc.wait(timeout=60)
+        launcher._reader.join(5)
+        assert rc == 0, launcher.output[-3000:]
+        assert re.search(r"ray: 3 actor\(s\) and the placement group removed", launcher.output)
     finally:
         launcher.kill_all()

@@ -441,8 +441,6 @@ def test_tensor_parallel_spec_errors() -> None:
         DeploymentSpec(model="/m", attention={"vllm_args": ["--tensor-parallel-size", "2"]})
     with pytest.raises(SpecError, match=r"attention.cpus: 1 CPU list\(s\) 0 for 2 rank"):
         DeploymentSpec(model="/m", attention_tensor_parallel_size=2, attention={"cpus": "0"})
-    with pytest.raises(SpecError, match="attention_tensor_parallel_size: 2 with \\[ray\\]"):
-        DeploymentSpec(model="/m", attention_tensor_parallel_size=2, ray={})
 
 
 def test_expert_parallel_ffn_servers_each_get_their_rank_and_plane_ports(tmp_path: Path) -> None:

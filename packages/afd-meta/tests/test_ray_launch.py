@@ -190,6 +190,35 @@ def test_node_cpus_per_node_and_overrides() -> None:
     assert cpus == {"attn": "0-1", "ffn0": "7"}
 
 
+def test_parallel_layouts_on_ray_ask_for_every_worker_and_split_its_cpus() -> None:
+    """Attention TP2 x DP2 + FFN EP2: the attention server's bundle holds its four vLLM
+    workers (one CPU list each on a CPU node), each FFN server its own."""
+    spec = DeploymentSpec(
+        model="/m",
+        num_attention=2,
+        attention_tensor_parallel_size=2,
+        num_ffn=2,
+        ffn_expert_parallel=True,
+        ray={"attention": {"num_cpus": 1}, "ffn": {"num_cpus": 1}},
+        afd={"connector": "P2pGlooAFDConnector"},
+    )
+    plan = plan_ray(spec)
+    assert [(b.name, b.resources) for b in plan.bundles] == [
+        ("ffn0", {"CPU": 1.0}),
+        ("ffn1", {"CPU": 1.0}),
+        ("attn", {"CPU": 4.0}),
+    ]
+    a, b = _node("node-a", 4), _node("node-bb", 2)
+    cpus, _ = plan_node_cpus(spec, {"attn": a, "ffn0": b, "ffn1": b})
+    assert cpus == {"attn": "0|1|2|3", "ffn0": "0", "ffn1": "1"}
+    # TP2 on a node with fewer CPUs than workers: the workers share them (vLLM's automatic
+    # binding refuses several TP workers on one NUMA node)
+    small = DeploymentSpec(model="/m", attention_tensor_parallel_size=2, ray={})
+    one = _node("node-c", 1)
+    cpus, _ = plan_node_cpus(small, {"attn": one, "ffn0": _node("node-dd", 1)})
+    assert cpus["attn"].count("|") == 1 and cpus["ffn0"] == "0"
+
+
 def test_split_cpus_for_a_node_of_ffn_ranks_only() -> None:
     assert split_cpus([0, 1, 2, 3], 0, 2) == {"ffn0": "0-1", "ffn1": "2-3"}
     assert split_cpus([0], 0, 2) is None

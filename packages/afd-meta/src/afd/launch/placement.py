@@ -178,8 +178,9 @@ class RayPlan:
 def plan_ray(spec: DeploymentSpec) -> RayPlan:
     """The placement group of an AFD spec with ``[ray]``: one bundle per role process
     (each FFN server asks for its role's resources once, the attention server once per
-    attention rank); ``STRICT_PACK`` when the connector needs one host (shared memory),
-    else the spec's ``[ray] placement`` (default ``SPREAD``)."""
+    vLLM worker: attention ranks x attention TP size); ``STRICT_PACK`` when the
+    connector needs one host (shared memory), else the spec's ``[ray] placement``
+    (default ``SPREAD``)."""
     if spec.ray is None:
         raise ValueError("plan_ray: the spec has no [ray] table")
     bundles = [
@@ -188,7 +189,7 @@ def plan_ray(spec: DeploymentSpec) -> RayPlan:
             role,
             rank,
             spec.ray.resources(role).bundle(
-                spec.num_ranks(role) if role is AFDRole.ATTENTION else 1
+                spec.num_workers(role) if role is AFDRole.ATTENTION else 1
             ),
         )
         for name, role, rank in role_names(spec)
@@ -247,13 +248,18 @@ def plan_node_cpus(
         attn_here = "attn" in names
         inherited = spec.env.get(CPU_BIND, node.cpu_bind)
         split = not any(nodes[n].gpus for n in names) and inherited is None
+        workers = spec.num_workers(AFDRole.ATTENTION) if attn_here else 0
         got = assign_cpus(
-            spec.num_attention if attn_here else 0,
+            workers,
             len(ffn_here),
             list(node.cpus) if split else [],
             attention=attention if attn_here else None,
             ffn=None if ffn is None else [ffn[int(n[3:])] for n in ffn_here],
         )
+        if split and attn_here and spec.attention_tensor_parallel_size > 1 and "attn" not in got:
+            # Fewer CPUs than workers: vLLM's automatic binding refuses several TP workers
+            # on one NUMA node, so the workers share CPUs (as the local launcher does).
+            got = {**share_cpus(list(node.cpus), workers, len(ffn_here)), **got}
         here = {}
         if "attn" in got:
             here["attn"] = got["attn"]

@@ -435,6 +435,20 @@ class RayDeployment(Deployment):
                 ("AFD connector rendezvous", spec.connector_port, "connector_port"),
             ],
         )
+        planes = spec.num_ffn if spec.ffn_expert_parallel else 1
+        for attempt in range(20):
+            # FFN expert parallelism: FFN rank f rendezvous on connector_port + f, on
+            # attention rank 0's node; a free base whose next ports are taken is replaced.
+            try:
+                reserve("attn", [
+                    (f"AFD connector rendezvous of expert plane {f}", conn + f, "connector_port")
+                    for f in range(1, planes)
+                ])  # fmt: skip
+                break
+            except DeploymentError:
+                if spec.connector_port or attempt == 19:
+                    raise
+                (conn,) = reserve("attn", [("AFD connector rendezvous", 0, "connector_port")])
         self.http_ports, self.connector_port = [http], conn
         self.ffn_health_ports = []
         for rank in range(spec.num_ffn):
@@ -442,9 +456,11 @@ class RayDeployment(Deployment):
             what = f"health/metrics of FFN server {rank}"
             self.ffn_health_ports += reserve(f"ffn{rank}", [(what, fixed, "ffn_health_port")])
         rendezvous = self.nodes["attn"].ip
+        last = self.connector_port + planes - 1
+        where = f"{self.connector_port}" + (f"-{last}" if planes > 1 else "")
         self._ray_lines.append(
-            f"rendezvous: {rendezvous}:{self.connector_port} (attention rank 0's node; open "
-            "this port to the FFN nodes)"
+            f"rendezvous: {rendezvous}:{where} (attention rank 0's node; open "
+            f"{'these ports' if planes > 1 else 'this port'} to the FFN nodes)"
         )
 
     def _layout(self) -> Layout:

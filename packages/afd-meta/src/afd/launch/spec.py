@@ -255,16 +255,6 @@ class DeploymentSpec:
         self.env = check_env("env", self.env)
         for role in AFDRole:
             self._check_role(role)
-        if self.ffn_expert_parallel and self.ray is not None:
-            raise SpecError(
-                "ffn_expert_parallel with [ray] is not supported yet; run the deployment on "
-                "one host (without --ray / [ray])"
-            )
-        if tp > 1 and self.ray is not None:
-            raise SpecError(
-                f"attention_tensor_parallel_size: {tp} with [ray] is not supported yet; run "
-                "the deployment on one host (without --ray / [ray])"
-            )
         if self.attention.devices and self.ffn.devices and not self.native:
             shared = sorted(set(self.attention.devices) & set(self.ffn.devices))
             if shared:
