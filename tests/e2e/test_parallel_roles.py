@@ -20,9 +20,7 @@ DeepSeek-V3 EP2 with the gate on FFN (the replicated router, a shared expert, a 
 layer); the other layouts and the bfloat16 load test are ``extended`` (``nox -s
 tests-extended``, by hand: run them when the parallel code changes). The default run has
 the TP and EP exchanges' unit tests (packages/afd-moe-runners/tests/test_tensor_parallel.py,
-test_expert_parallel.py). Qwen3-MoE EP2 with Attention TP1 (both gates) was verified by
-hand when this landed and has no case: its dispatch runs in the TP2 + EP2 and DP2 + EP2
-cases, its replicated router in the DeepSeek-V3 EP2 gate-on-FFN case. The deployments
+test_expert_parallel.py, test_expert_shard.py). The deployments
 run eager (``enforce_eager = true``) against eager native references: tensor/expert
 parallelism in vLLM's compile mode is not verified yet (docs/architecture.md).
 """
@@ -130,6 +128,8 @@ def _dispatched(model: Path, routing: list[dict[str, list[list[int]]]], ep: int)
     [
         _case(2, 1, 1, "attention-topk", EXTENDED),
         _case(2, 1, 1, "ffn", EXTENDED),
+        _case(1, 1, 2, "attention-topk", EXTENDED),
+        _case(1, 1, 2, "ffn", EXTENDED),
         _case(2, 1, 2, "attention-topk", MATRIX),
         _case(1, 2, 2, "attention-topk", EXTENDED),
         # DeepSeek-V3-style: grouped top-k, a shared expert (FFN rank 0 gets every
