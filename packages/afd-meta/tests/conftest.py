@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from afd.ffn_server import READY_MARKER
+from afd.runtime.ffn_server import READY_MARKER
 from afd.launch import RoleProcess
 
 _SERVE_HEALTH = (

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from afd.health import MULTIPROC_DIR_ENV, StatusServer, gauge_total, multiproc_dir
+from afd.runtime.health import MULTIPROC_DIR_ENV, StatusServer, gauge_total, multiproc_dir
 
 
 def _get(url: str) -> tuple[int, str, str]:
@@ -110,8 +110,8 @@ def test_worker_metrics_in_another_process_reach_the_health_check(
     """The FFN worker may run in another process (a multiprocess executor): its values
     must reach the server's /metrics and /health through the multiprocess folder."""
 
-    from afd.ffn_server import ffn_health
-    from afd.health import metrics_registry
+    from afd.runtime.ffn_server import ffn_health
+    from afd.runtime.health import metrics_registry
 
     monkeypatch.setenv(MULTIPROC_DIR_ENV, str(tmp_path))
     registry = metrics_registry()
@@ -167,7 +167,7 @@ def _check_worker_metrics(registry: Any, check: Any, state: dict[str, str], peer
 
 
 def test_health_options_are_taken_out_of_the_vllm_args() -> None:
-    from afd.serve import health_options
+    from afd.runtime.serve import health_options
 
     args = ["--enforce-eager", "--health-port", "9100", "--health-host=127.0.0.1", "--x"]
     assert health_options(args) == ("127.0.0.1", 9100)
@@ -233,7 +233,7 @@ def test_multiproc_dir_switches_an_already_imported_prometheus_client() -> None:
         """
         import os
         from prometheus_client import Counter, values
-        from afd.health import MULTIPROC_DIR_ENV, multiproc_dir, metrics_registry
+        from afd.runtime.health import MULTIPROC_DIR_ENV, multiproc_dir, metrics_registry
 
         os.environ.pop(MULTIPROC_DIR_ENV, None)
         with multiproc_dir("afd-test-", keep_given=False) as path:
@@ -251,7 +251,7 @@ def test_multiproc_dir_switches_an_already_imported_prometheus_client() -> None:
 
 
 def test_outcome_of_the_serving_loop() -> None:
-    from afd.ffn_server import _outcome
+    from afd.runtime.ffn_server import _outcome
 
     def ended(*, lost: bool) -> dict[str, Any]:
         return {"value": [{"exit_reason": "peer gone: bye", "peer_lost": lost}]}
@@ -263,7 +263,7 @@ def test_outcome_of_the_serving_loop() -> None:
 
 
 def test_linger_seconds_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from afd.ffn_server import LINGER_ENV, _linger_s
+    from afd.runtime.ffn_server import LINGER_ENV, _linger_s
 
     monkeypatch.delenv(LINGER_ENV, raising=False)
     assert _linger_s() == 0

@@ -303,7 +303,7 @@ def _fake_role(tmp_path: Path, code: str, name: str = "ffn0", role: str = "ffn")
 
 
 def test_each_role_kind_has_its_readiness() -> None:
-    from afd.ffn_server import READY_MARKER
+    from afd.runtime.ffn_server import READY_MARKER
     from afd.launch.readiness import NATIVE, readiness_of
     from afd_core.roles import AFDRole
 
@@ -338,7 +338,7 @@ def test_role_output_is_prefixed_and_logged(tmp_path: Path) -> None:
 
 
 def test_a_role_is_ready_when_its_health_url_answers_200(tmp_path: Path) -> None:
-    from afd.health import StatusServer
+    from afd.runtime.health import StatusServer
 
     state = {"ok": False}
     status = StatusServer("127.0.0.1", 0, lambda: (state["ok"], "x"), None)
@@ -357,7 +357,7 @@ def test_a_role_is_ready_when_its_health_url_answers_200(tmp_path: Path) -> None
 
 
 def test_a_role_not_ready_in_time_is_reported_with_its_health(tmp_path: Path) -> None:
-    from afd.health import StatusServer
+    from afd.runtime.health import StatusServer
 
     status = StatusServer("127.0.0.1", 0, lambda: (False, "waiting for the attention peers"))
     spec = DeploymentSpec(model=str(tmp_path), log_dir=str(tmp_path / "logs"), startup_timeout_s=2)

@@ -51,7 +51,7 @@ def _attention_config(num_micro_batches: int) -> Any:
 def test_micro_batching_worker_and_its_scheduler_agree_on_the_model_runner(
     vllm_env: Any, monkeypatch: pytest.MonkeyPatch, platform: str, variable: str | None
 ) -> None:
-    from afd.worker import _prepare
+    from afd.runtime.worker import _prepare
 
     config = _attention_config(2)
     if variable is not None:
@@ -116,7 +116,7 @@ def test_afd_serve_sets_v1_for_its_process_tree_and_refuses_an_explicit_v2() -> 
 
 @pytest.mark.parametrize("role", ["attention", "ffn"])
 def test_afd_serve_hands_its_role_the_v1_runner(monkeypatch: pytest.MonkeyPatch, role: str) -> None:
-    import afd.serve
+    import afd.runtime.serve
 
     seen: list[str | None] = []
 
@@ -127,7 +127,7 @@ def test_afd_serve_hands_its_role_the_v1_runner(monkeypatch: pytest.MonkeyPatch,
     # recorded, so that the CLI's setting is undone after the test
     monkeypatch.setenv(V2_RUNNER_ENV, "")
     monkeypatch.delenv(V2_RUNNER_ENV)
-    monkeypatch.setattr(afd.serve, f"serve_{role}", serve)
+    monkeypatch.setattr(afd.runtime.serve, f"serve_{role}", serve)
     monkeypatch.setattr(cli, "_setup_logging", lambda: None)
     assert cli.main(["serve", "--role", role, "/m"]) == 0
     assert seen == ["0"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from afd.serve import run_attention_server
+from afd.runtime.serve import run_attention_server
 from afd_core.procfs import process_start
 
 
@@ -28,7 +28,7 @@ def test_a_recorded_reason_makes_the_exit_code_1(caplog: pytest.LogCaptureFixtur
         "with open(os.environ['AFD_EXIT_REASON_FILE'], 'a') as f:\n"
         "    f.write('AFDPeerLostError: ffn rank 0 is gone\\n')\n"
     )
-    with caplog.at_level("ERROR", logger="afd.serve"):
+    with caplog.at_level("ERROR", logger="afd.runtime.serve"):
         assert run_attention_server(_child(code)) == 1
     assert "stopped by AFD: AFDPeerLostError: ffn rank 0 is gone" in caplog.text
 
@@ -91,9 +91,9 @@ def test_a_server_that_lingers_after_a_reason_is_stopped(
     """The runtime recorded why it stopped but the server (and a process below it, like
     vLLM's engine core) keep running: SIGTERM after the grace period, then SIGKILL for
     the whole tree; the exit code is still 1."""
-    import afd.serve
+    import afd.runtime.serve
 
-    monkeypatch.setattr(afd.serve, "STOP_GRACE_S", 0.5)
+    monkeypatch.setattr(afd.runtime.serve, "STOP_GRACE_S", 0.5)
     pid_file = os.path.join(str(tmp_path), "grandchild.pid")
     code = (
         "import os, signal, subprocess, sys, time\n"

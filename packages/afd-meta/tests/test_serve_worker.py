@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from afd.serve import attention_worker_args
+from afd.runtime.serve import attention_worker_args
 
 
 def _argv(afd: dict[str, object]) -> list[str]:
@@ -16,13 +16,13 @@ def _argv(afd: dict[str, object]) -> list[str]:
 @pytest.mark.parametrize(("cuda", "worker"), [(False, "AFDCPUWorker"), (True, "AFDGPUWorker")])
 def test_micro_batching_adds_the_afd_worker(cuda: bool, worker: str) -> None:
     argv = _argv({"role": "attention", "num_micro_batches": 2})
-    assert attention_worker_args(argv, cuda=cuda) == ["--worker-cls", f"afd.worker.{worker}"]
+    assert attention_worker_args(argv, cuda=cuda) == ["--worker-cls", f"afd.runtime.worker.{worker}"]
     assert "--additional-config" in argv  # the probe does not consume the caller's args
 
 
 def test_the_upstream_alias_num_afd_stages_adds_the_worker_too() -> None:
     argv = _argv({"role": "attention", "num_afd_stages": 2})
-    assert attention_worker_args(argv, cuda=False) == ["--worker-cls", "afd.worker.AFDCPUWorker"]
+    assert attention_worker_args(argv, cuda=False) == ["--worker-cls", "afd.runtime.worker.AFDCPUWorker"]
 
 
 def test_one_micro_batch_or_an_explicit_worker_adds_nothing() -> None:
@@ -34,7 +34,7 @@ def test_one_micro_batch_or_an_explicit_worker_adds_nothing() -> None:
 def test_micro_batches_of_reads_the_attention_role_only() -> None:
     from types import SimpleNamespace
 
-    from afd.worker import micro_batches_of
+    from afd.runtime.worker import micro_batches_of
 
     def cfg(afd: dict[str, object]) -> object:
         return SimpleNamespace(additional_config={"afd": afd})
@@ -47,7 +47,7 @@ def test_micro_batches_of_reads_the_attention_role_only() -> None:
 def test_compiled_attention_on_cuda_gets_piecewise_graphs_unless_configured() -> None:
     import json
 
-    from afd.serve import CUDA_ATTENTION_COMPILATION, attention_graph_args
+    from afd.runtime.serve import CUDA_ATTENTION_COMPILATION, attention_graph_args
 
     argv = ["--model", "/m", "--additional-config", json.dumps({"afd": {"role": "attention"}})]
     assert attention_graph_args(argv, cuda=True) == [
@@ -70,7 +70,7 @@ def test_compiled_attention_on_cuda_gets_piecewise_graphs_unless_configured() ->
 
 
 def test_ffn_expert_parallel_switch_goes_into_the_afd_section() -> None:
-    from afd.serve import prepare_role_args
+    from afd.runtime.serve import prepare_role_args
 
     args = prepare_role_args(
         "ffn",

@@ -140,7 +140,7 @@ def test_qwen3_5_still_needs_the_torchvision_seam(seam_report: dict[str, Any]) -
     plain = seam_report["plain"]
     assert plain is not None, (
         "vLLM's qwen3_5 now imports without torchvision: retire "
-        "afd_models_qwen.qwen3_5_import (and its call in afd.plugin)"
+        "afd_models_qwen.qwen3_5_import (and its call in afd.runtime.plugin)"
     )
     assert (plain["type"], plain["name"]) == ("ModuleNotFoundError", "torchvision"), plain
     frames = plain["frames"]

@@ -221,7 +221,7 @@ def test_micro_batching_needs_the_afd_worker_and_no_speculative_decoding() -> No
         )
 
     problem = micro_batching_problem(cfg("auto"), 2)
-    assert problem is not None and "--worker-cls afd.worker.AFDCPUWorker" in problem
-    assert micro_batching_problem(cfg("afd.worker.AFDCPUWorker"), 2) is None
-    problem = micro_batching_problem(cfg("afd.worker.AFDCPUWorker", spec=object()), 3)
+    assert problem is not None and "--worker-cls afd.runtime.worker.AFDCPUWorker" in problem
+    assert micro_batching_problem(cfg("afd.runtime.worker.AFDCPUWorker"), 2) is None
+    problem = micro_batching_problem(cfg("afd.runtime.worker.AFDCPUWorker", spec=object()), 3)
     assert problem is not None and "speculative decoding" in problem

@@ -53,7 +53,7 @@ def _cmd_connectors(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from afd.serve import serve_attention, serve_ffn
+    from afd.runtime.serve import serve_attention, serve_ffn
     from afd_moe_runners.model_runner_choice import V2_RUNNER_ENV, serve_environment_problem
 
     # Before vLLM is imported: this process and every process it starts run vLLM's V1
@@ -63,7 +63,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"afd serve: error: {problem}", file=sys.stderr)
         return 2
     _setup_logging()
-    logging.getLogger("afd.serve").info(
+    logging.getLogger("afd.runtime.serve").info(
         "afd serve --role %s: %s=%s (vLLM's V1 model runner)",
         args.role,
         V2_RUNNER_ENV,
@@ -93,7 +93,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _setup_logging() -> None:
-    from afd.plugin import configure_logging
+    from afd.runtime.plugin import configure_logging
 
     configure_logging()
 
@@ -199,7 +199,7 @@ NEEDS_TORCH_STACK = frozenset({"serve", "launch", "demo", "bench", "models"})
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in NEEDS_TORCH_STACK:
-        from afd.environment import torch_companion_problem
+        from afd.runtime.environment import torch_companion_problem
 
         problem = torch_companion_problem()
         if problem is not None:

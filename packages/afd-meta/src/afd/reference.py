@@ -332,7 +332,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         "--ffn-behind-op",
         action="store_true",
         help="native vLLM with AFD's graph boundaries: every decoder layer's FFN block "
-        "computed eagerly behind the exchange op (afd.opaque_ffn), for compiled-mode "
+        "computed eagerly behind the exchange op (afd.runtime.opaque_ffn), for compiled-mode "
         "experiments (pass enforce_eager=false in --llm-kwargs)",
     )
     ap.add_argument(
@@ -355,7 +355,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if args.ffn_behind_op:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             ap.error("--ffn-behind-op registers a model in this process: in-process engine only")
-        from afd.opaque_ffn import opaque_architecture
+        from afd.runtime.opaque_ffn import opaque_architecture
 
         prepare_vllm_env()
         config = json.loads((args.model_dir / "config.json").read_text())

@@ -14,7 +14,7 @@ Three pieces, each small:
   requests than m, or fewer tokens than ``afd.micro_batch_min_tokens``, is not split
   (m = 1 for that step).
 * **The model runner** (:class:`MicroBatchModelRunner`, mixed into vLLM's runner by
-  the AFD worker, ``afd.worker``): vLLM 0.32 only micro-batches under data
+  the AFD worker, ``afd.runtime.worker``): vLLM 0.32 only micro-batches under data
   parallelism with DeepEP kernels, and turns DBO off on CPU, but its runner already
   knows how to build one attention metadata / slot mapping per micro-batch when given
   ``ubatch_slices``. The mixin hands it the plan (and never lets vLLM split a step on

@@ -151,13 +151,13 @@ def tensor_parallel_problem(afd: AFDConfig, tensor_parallel_size: int) -> str | 
 
 
 #: ``--worker-cls`` of the Attention role with ``afd.num_micro_batches`` > 1, per device.
-AFD_WORKERS = {"cpu": "afd.worker.AFDCPUWorker", "cuda": "afd.worker.AFDGPUWorker"}
+AFD_WORKERS = {"cpu": "afd.runtime.worker.AFDCPUWorker", "cuda": "afd.runtime.worker.AFDGPUWorker"}
 
 
 def micro_batching_problem(vllm_config: Any, num_micro_batches: int) -> str | None:
     """Why this Attention engine cannot run ``num_micro_batches`` > 1, or None."""
     worker = str(getattr(vllm_config.parallel_config, "worker_cls", ""))
-    if not worker.startswith("afd.worker."):
+    if not worker.startswith("afd.runtime.worker."):
         device = _current_device_type()
         wanted = AFD_WORKERS.get(device)
         if wanted is None:

@@ -1,9 +1,9 @@
 """How the launcher tells that a role process is ready, one object per kind of role.
 
 Every role is ready once ``GET <health URL>/health`` answers 200: the FFN server's own
-status server (:mod:`afd.health`) turns 200 once its attention peers are connected and
+status server (:mod:`afd.runtime.health`) turns 200 once its attention peers are connected and
 it serves; the attention server's (vLLM's API server) once vLLM's engine is up; the
-native baseline's likewise. The FFN server also logs :data:`afd.ffn_server.READY_MARKER`
+native baseline's likewise. The FFN server also logs :data:`afd.runtime.ffn_server.READY_MARKER`
 when its model is loaded, before its peers connect: that line is not readiness.
 """
 
@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from afd.ffn_server import READY_MARKER
+from afd.runtime.ffn_server import READY_MARKER
 from afd_core.roles import AFDRole
 
 __all__ = [

@@ -71,7 +71,7 @@ def check_model(
     )
     from vllm.engine.arg_utils import EngineArgs
 
-    from afd.plugin import afd_alias_of
+    from afd.runtime.plugin import afd_alias_of
     from afd_moe_runners.generic import ALIAS_PREFIX, native_model_class, split_plan_of
 
     overrides = dict(hf_overrides or {})

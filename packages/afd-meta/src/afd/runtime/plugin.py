@@ -1,4 +1,4 @@
-"""vLLM general plugin: ``vllm.general_plugins`` entry point ``afd = afd.plugin:register``.
+"""vLLM general plugin: ``vllm.general_plugins`` entry point ``afd = afd.runtime.plugin:register``.
 
 vLLM calls :func:`register` in every process it starts (API server, engine core,
 workers, the model-inspection subprocess), possibly several times, so it must be

@@ -6,7 +6,7 @@ you pass), the AFD architecture alias in ``--hf-overrides`` (so native model
 lookups stay untouched), and for the FFN role the worker extension that serves
 layers. The Attention role runs vLLM's OpenAI-compatible API server unchanged, as a
 child process (:func:`run_attention_server`); the FFN role runs
-:func:`afd.ffn_server.run_ffn_server` (no scheduler, KV cache or API).
+:func:`afd.runtime.ffn_server.run_ffn_server` (no scheduler, KV cache or API).
 
 Exit codes: 0 after SIGTERM / SIGINT (a requested stop); 1 when AFD stopped the role
 (its peer was lost, the connector's start-up failed, a transfer timed out or did not
@@ -27,15 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from afd.plugin import afd_alias_of
+from afd.runtime.plugin import afd_alias_of
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDConfigError
 from afd_core.lifecycle import EXIT_REASON_ENV, read_exit_reasons
 from afd_core.procfs import descendants
 
-logger = logging.getLogger("afd.serve")
+logger = logging.getLogger("afd.runtime.serve")
 
-WORKER_EXTENSION = "afd.ffn_server.AFDWorkerExtension"
+WORKER_EXTENSION = "afd.runtime.ffn_server.AFDWorkerExtension"
 
 
 def _pop_option(args: list[str], name: str) -> str | None:
@@ -209,7 +209,7 @@ def run_attention_server(cmd: list[str]) -> int:
     one is set): the AFD metrics its worker processes record then appear on its
     ``/metrics`` (:mod:`afd_moe_runners.metrics`).
     """
-    from afd.health import multiproc_dir
+    from afd.runtime.health import multiproc_dir
 
     with multiproc_dir("afd-attention-metrics-", keep_given=True):
         return _run_attention_server(cmd)
@@ -326,7 +326,7 @@ def serve_ffn(model: str, rest: list[str]) -> int:
     # The worker records its metrics in this process's own multiprocess folder (a worker
     # of another executor backend would be another process); prometheus_client reads
     # the variable when vLLM first imports it, below.
-    from afd.health import multiproc_dir
+    from afd.runtime.health import multiproc_dir
 
     with multiproc_dir("afd-ffn-metrics-", keep_given=False):
         return _serve_ffn(argv, health_host, health_port)
@@ -352,6 +352,6 @@ def _serve_ffn(argv: list[str], health_host: str, health_port: int) -> int:
         engine_args.enforce_eager = True
     if engine_args.distributed_executor_backend is None:
         engine_args.distributed_executor_backend = "uni"
-    from afd.ffn_server import run_ffn_server
+    from afd.runtime.ffn_server import run_ffn_server
 
     return run_ffn_server(engine_args, health_host=health_host, health_port=health_port)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-logger = logging.getLogger("afd.health")
+logger = logging.getLogger("afd.runtime.health")
 
 __all__ = [
     "MULTIPROC_DIR_ENV",

@@ -40,7 +40,7 @@ def opaque_architecture(arch: str) -> str:
         for idx, layer in enumerate(inner.model.layers):
             mlp = getattr(layer, "mlp", None)
             if mlp is not None:
-                _put_behind_op(mlp, f"afd.opaque_ffn.{idx}")
+                _put_behind_op(mlp, f"afd.runtime.opaque_ffn.{idx}")
 
     cls = type(name, (native,), {"__init__": __init__, "__module__": __name__})
     ModelRegistry.register_model(name, cls)
