@@ -17,7 +17,7 @@ float32), AFD compiled equals native compiled.
 not have, and in bfloat16 inductor's rounding around the FFN blocks then differs (plain
 native compiled equals AFD on 4 of 10 prompts of the tiny DeepSeek-V3). The native-only
 experiment with the same boundaries (``python -m afd.reference --ffn-behind-op``,
-``afd.opaque_ffn``) is the reference here: AFD compiled (offline ``vllm.LLM`` Attention
+``afd.runtime.opaque_ffn``) is the reference here: AFD compiled (offline ``vllm.LLM`` Attention
 role + FFN server) equals it, both gate placements, and the test also records that plain
 native compiled differs from it on this checkpoint (else the case would prove nothing).
 Both sides run the same offline engine settings: in compiled mode vLLM's engine settings

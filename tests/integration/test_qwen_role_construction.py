@@ -82,7 +82,7 @@ cfg = EngineArgs(
     model=model_dir, hf_overrides={"architectures": ["AFDQwen3MoeForCausalLM"]},
     additional_config={"afd": {"role": "ffn"}}, enforce_eager=True, dtype="bfloat16",
     max_model_len=256, gpu_memory_utilization=0.1, distributed_executor_backend="uni",
-    worker_extension_cls="afd.ffn_server.AFDWorkerExtension",
+    worker_extension_cls="afd.runtime.ffn_server.AFDWorkerExtension",
 ).create_engine_config()
 
 

@@ -112,7 +112,7 @@ def reference_key(
 
 
 #: A pseudo engine argument of ``llm_kwargs``: native vLLM with AFD's graph boundaries
-#: (``python -m afd.reference --ffn-behind-op``, :mod:`afd.opaque_ffn`).
+#: (``python -m afd.reference --ffn-behind-op``, :mod:`afd.runtime.opaque_ffn`).
 FFN_BEHIND_OP = "afd_ffn_behind_op"
 #: A pseudo engine argument of ``llm_kwargs``: ask a native vLLM API server (``afd launch
 #: --native``, the launcher's defaults) one request per prompt, instead of an offline

@@ -27,7 +27,7 @@ BUILD = textwrap.dedent(
         additional_config={"afd": afd}, enforce_eager=True, dtype="bfloat16",
         max_model_len=256, gpu_memory_utilization=0.1,
         distributed_executor_backend="uni",
-        worker_extension_cls="afd.ffn_server.AFDWorkerExtension", **extra,
+        worker_extension_cls="afd.runtime.ffn_server.AFDWorkerExtension", **extra,
     ).create_engine_config()
     executor = Executor.get_class(cfg)(cfg)
     try:
@@ -51,7 +51,7 @@ ZYGOTE = textwrap.dedent(
     from vllm.engine.arg_utils import EngineArgs  # noqa: F401  (imported once, inherited)
     from vllm.v1.executor import Executor  # noqa: F401
     import vllm.v1.worker.cpu_worker  # noqa: F401
-    import afd.ffn_server  # noqa: F401
+    import afd.runtime.ffn_server  # noqa: F401
     BUILD = sys.argv[1]
     print("ZYGOTE READY", flush=True)
     for line in sys.stdin:
