@@ -341,3 +341,32 @@ def test_expert_planes_of_an_expert_parallel_ffn_side() -> None:
         AFDConfig(role="ffn", ffn_expert_parallel="yes")
     with pytest.raises(AFDConfigError, match=r"rendezvous on ports 65535..65536"):
         AFDConfig(role="ffn", num_ffn_ranks=2, port=65535, ffn_expert_parallel=True)
+
+
+def test_to_section_is_canonical_and_round_trips() -> None:
+    config = AFDConfig.parse({"afd_role": "attention", "num_afd_stages": 2, "afd_port": 4000})
+    section = config.to_section()
+    # canonical keys, only what differs from the defaults (role always)
+    assert section == {"role": "attention", "port": 4000, "num_micro_batches": 2}
+    assert AFDConfig.parse(section) == config
+    assert AFDConfig.parse({"role": "ffn"}).to_section() == {"role": "ffn"}
+
+
+def test_afd_config_of_parses_each_section_once_per_process() -> None:
+    from types import SimpleNamespace
+
+    from afd_core.config import afd_config_of
+
+    def engine(section: object) -> object:
+        return SimpleNamespace(additional_config={"afd": section})
+
+    section = {"role": "attention", "num_afd_stages": 2}
+    first = afd_config_of(engine(section))
+    assert first is not None and first.num_micro_batches == 2
+    # another engine config with the same section: the same parsed object
+    assert afd_config_of(engine(dict(section))) is first
+    assert afd_config_of(engine({"role": "ffn"})) is not first
+    assert afd_config_of(SimpleNamespace(additional_config={})) is None
+    assert afd_config_of(SimpleNamespace(additional_config=None)) is None
+    with pytest.raises(AFDConfigError, match="unknown key 'nope'"):
+        afd_config_of(engine({"role": "ffn", "nope": 1}))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from afd.runtime.ffn_server import READY_MARKER
 from afd.launch import RoleProcess
+from afd.runtime.ffn_server import READY_MARKER
 
 _SERVE_HEALTH = (
     "from http.server import HTTPServer, BaseHTTPRequestHandler as B\n"

@@ -303,8 +303,8 @@ def _fake_role(tmp_path: Path, code: str, name: str = "ffn0", role: str = "ffn")
 
 
 def test_each_role_kind_has_its_readiness() -> None:
-    from afd.runtime.ffn_server import READY_MARKER
     from afd.launch.readiness import NATIVE, readiness_of
+    from afd.runtime.ffn_server import READY_MARKER
     from afd_core.roles import AFDRole
 
     ffn, attn, native = readiness_of(AFDRole.FFN), readiness_of("attention"), readiness_of(NATIVE)

@@ -16,13 +16,19 @@ def _argv(afd: dict[str, object]) -> list[str]:
 @pytest.mark.parametrize(("cuda", "worker"), [(False, "AFDCPUWorker"), (True, "AFDGPUWorker")])
 def test_micro_batching_adds_the_afd_worker(cuda: bool, worker: str) -> None:
     argv = _argv({"role": "attention", "num_micro_batches": 2})
-    assert attention_worker_args(argv, cuda=cuda) == ["--worker-cls", f"afd.runtime.worker.{worker}"]
+    assert attention_worker_args(argv, cuda=cuda) == [
+        "--worker-cls",
+        f"afd.runtime.worker.{worker}",
+    ]
     assert "--additional-config" in argv  # the probe does not consume the caller's args
 
 
 def test_the_upstream_alias_num_afd_stages_adds_the_worker_too() -> None:
     argv = _argv({"role": "attention", "num_afd_stages": 2})
-    assert attention_worker_args(argv, cuda=False) == ["--worker-cls", "afd.runtime.worker.AFDCPUWorker"]
+    assert attention_worker_args(argv, cuda=False) == [
+        "--worker-cls",
+        "afd.runtime.worker.AFDCPUWorker",
+    ]
 
 
 def test_one_micro_batch_or_an_explicit_worker_adds_nothing() -> None:
@@ -81,3 +87,33 @@ def test_ffn_expert_parallel_switch_goes_into_the_afd_section() -> None:
     assert "--ffn-expert-parallel" not in args
     afd = json.loads(args[args.index("--additional-config") + 1])["afd"]
     assert afd == {"num_ffn_ranks": 2, "rank": 1, "role": "ffn", "ffn_expert_parallel": True}
+
+
+def test_the_runtime_registers_its_worker_table_for_the_models_check() -> None:
+    from afd.runtime.worker import FORMER_NAMES, WORKERS, register_workers
+    from afd_moe_runners.worker_table import is_micro_batch_worker, micro_batch_worker
+
+    register_workers()
+    assert WORKERS["cpu"] == "afd.runtime.worker.AFDCPUWorker"
+    assert micro_batch_worker("cpu") == WORKERS["cpu"]
+    assert micro_batch_worker("cuda") == WORKERS["cuda"]
+    assert all(is_micro_batch_worker(name) for name in (*WORKERS.values(), *FORMER_NAMES))
+    assert not is_micro_batch_worker("vllm.v1.worker.cpu_worker.CPUWorker")
+
+
+def test_prepare_role_hands_vllm_the_section_in_canonical_keys() -> None:
+    from afd.runtime.serve import prepare_role
+
+    afd, args = prepare_role(
+        "attention",
+        "m",
+        ["--hf-overrides", '{"architectures": ["AFDQwen3MoeForCausalLM"]}',
+         "--additional-config", json.dumps({"afd": {"num_afd_stages": 2, "afd_port": 4000}})],
+    )  # fmt: skip
+    assert afd.num_micro_batches == 2 and afd.port == 4000
+    section = json.loads(args[args.index("--additional-config") + 1])["afd"]
+    assert section == {"role": "attention", "port": 4000, "num_micro_batches": 2}
+    assert attention_worker_args(args, cuda=False, afd=afd) == [
+        "--worker-cls",
+        "afd.runtime.worker.AFDCPUWorker",
+    ]

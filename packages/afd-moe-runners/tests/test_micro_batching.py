@@ -214,6 +214,10 @@ def test_micro_batching_needs_the_afd_worker_and_no_speculative_decoding() -> No
     from types import SimpleNamespace
 
     from afd_moe_runners.role_model import micro_batching_problem
+    from afd_moe_runners.worker_table import register_micro_batch_workers
+
+    # what the runtime's plugin registers in every vLLM process (afd.runtime.worker)
+    register_micro_batch_workers({"cpu": "afd.runtime.worker.AFDCPUWorker"})
 
     def cfg(worker: str, spec: object = None) -> object:
         return SimpleNamespace(

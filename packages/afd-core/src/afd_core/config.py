@@ -7,12 +7,19 @@ unknown keys with a "did you mean" hint, and validates every value with a
 one-line :class:`~afd_core.errors.AFDConfigError` that names the field, the
 value given and what is allowed. The same checks run when an :class:`AFDConfig`
 is built directly, so an instance is always valid.
+
+The section is parsed once, at the edge (``afd serve``, ``afd launch``'s spec), and
+handed to vLLM in canonical keys (:meth:`AFDConfig.to_section`); every role process
+then reads it through :func:`afd_config_of`, which parses each distinct section once per
+process, so no code below the edge reads raw keys or resolves aliases. (Over 400 lines:
+every field's validation and its one-line error stay together with the dataclass.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import math
@@ -28,7 +35,14 @@ from afd_core.roles import AFDRole
 if TYPE_CHECKING:
     from afd_core.topology import AFDTopology
 
-__all__ = ["ADDITIONAL_CONFIG_KEY", "CONFIG_ALIASES", "AFDRole", "RoutingPayload", "AFDConfig"]
+__all__ = [
+    "ADDITIONAL_CONFIG_KEY",
+    "CONFIG_ALIASES",
+    "AFDRole",
+    "RoutingPayload",
+    "AFDConfig",
+    "afd_config_of",
+]
 
 ADDITIONAL_CONFIG_KEY = "afd"
 """The key of vLLM's ``additional_config`` that holds the AFD section."""
@@ -386,6 +400,14 @@ class AFDConfig:
             out[f.name] = value
         return out
 
+    def to_section(self) -> dict[str, Any]:
+        """The canonical ``additional_config["afd"]`` section: canonical keys, ``role`` and
+        the fields that differ from their defaults (JSON-compatible);
+        ``AFDConfig.parse(c.to_section()) == c``. What the edge hands to vLLM."""
+        defaults = AFDConfig(role=self.role).to_dict()
+        data = self.to_dict()
+        return {k: v for k, v in data.items() if k == "role" or v != defaults[k]}
+
     def compute_hash(self) -> str:
         """Stable hash of the fields that change the compiled graph or the wire protocol.
 
@@ -395,3 +417,26 @@ class AFDConfig:
         data = self.to_dict()
         blob = json.dumps({k: data[k] for k in _GRAPH_FIELDS}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_section(blob: str) -> AFDConfig:
+    return AFDConfig.parse(json.loads(blob))
+
+
+def afd_config_of(vllm_config: Any) -> AFDConfig | None:
+    """The :class:`AFDConfig` of a vLLM config's ``additional_config["afd"]`` (None without
+    that section): what every role process reads instead of raw keys. Each distinct
+    section is parsed once per process (an engine's worker, model and FFN server share
+    the object); a section that is not plain JSON data is parsed every time."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if not isinstance(extra, Mapping) or extra.get(ADDITIONAL_CONFIG_KEY) is None:
+        return None
+    section = extra[ADDITIONAL_CONFIG_KEY]
+    try:
+        blob = json.dumps(section, sort_keys=True)
+    except (TypeError, ValueError):
+        return AFDConfig.from_additional_config(extra)
+    if not isinstance(section, Mapping):
+        return AFDConfig.from_additional_config(extra)
+    return _parse_section(blob)

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from afd_core.config import AFDConfig, AFDRole, RoutingPayload
-from afd_core.connector import ConnectorCapabilities
+from afd_core.connector import AFDConnector, ConnectorCapabilities
 from afd_core.errors import AFDConfigError
 from afd_core.registry import get_connector_class
 from afd_core.transfer import PayloadKind
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "capabilities",
+    "connector_class",
     "afd_runner_kwargs",
     "build_afd_moe",
     "afd_moe_factory",
@@ -73,9 +74,17 @@ def current_platform_name() -> str:
     return str(current_platform.device_type)
 
 
+@functools.lru_cache(maxsize=8)
+def connector_class(name: str) -> type[AFDConnector]:
+    """The connector class registered as ``name``, looked up once per process: the
+    builders below ask for it at every MoE layer. (A test that re-registers a name with
+    another class calls ``connector_class.cache_clear()``.)"""
+    return get_connector_class(name)
+
+
 def capabilities(afd_config: AFDConfig) -> ConnectorCapabilities:
-    """What ``afd.connector`` declares it supports (read through the registry)."""
-    return get_connector_class(afd_config.connector).capabilities
+    """What ``afd.connector`` declares it supports (its class looked up once per process)."""
+    return connector_class(afd_config.connector).capabilities
 
 
 def _check_supported(platform: str, afd_config: AFDConfig) -> None:
@@ -200,7 +209,7 @@ def afd_runner_kwargs(
         # the connector's start-up check runs here, at the first MoE layer.
         from vllm.config import get_current_vllm_config
 
-        connector_cls = get_connector_class(afd_config.connector)
+        connector_cls = connector_class(afd_config.connector)
         connector_cls.check_deployment(afd_config, get_current_vllm_config(), platform=platform)
         _check_gate(afd_config)
         return _npu_runner_kwargs(afd_config, micro_batch_yield)

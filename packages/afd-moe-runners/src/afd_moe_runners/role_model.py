@@ -23,6 +23,7 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
 
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.config import afd_config_of as _afd_config_of
 from afd_core.connector import AFDConnector
 from afd_core.errors import (
     AFDConfigError,
@@ -32,12 +33,13 @@ from afd_core.errors import (
 )
 from afd_core.forward_context import AFDStepMetadata, set_step_metadata
 from afd_core.lifecycle import record_exit_reason
-from afd_core.registry import create_connector, get_connector_class
+from afd_core.registry import create_connector
 from afd_core.weights import RoleWeightStats, WeightOwner, filter_role_weights
 from afd_moe_runners.dense import RemoteDenseMLP
 from afd_moe_runners.exchange import no_yield, scheduler_yield
 from afd_moe_runners.metrics import attention_peers_changed, attention_step_ended
 from afd_moe_runners.model_runner_choice import model_runner_problem
+from afd_moe_runners.worker_table import is_micro_batch_worker, micro_batch_worker
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +69,13 @@ __all__ = [
 
 def afd_config_of(vllm_config: VllmConfig) -> AFDConfig:
     """The validated ``additional_config["afd"]`` of an AFD model; clear error if absent."""
-    extra = vllm_config.additional_config or {}
-    if "afd" not in extra:
+    afd = _afd_config_of(vllm_config)  # parsed once per process
+    if afd is None:
         raise AFDConfigError(
             "an AFD model architecture was selected but additional_config has no 'afd' "
             'section; pass --additional-config \'{"afd": {"role": "attention", ...}}\''
         )
-    return AFDConfig.from_additional_config(extra)
+    return afd
 
 
 def check_supported_parallelism(vllm_config: VllmConfig, model_name: str) -> None:
@@ -84,7 +86,9 @@ def check_supported_parallelism(vllm_config: VllmConfig, model_name: str) -> Non
     connector's own limits.
     """
     afd = afd_config_of(vllm_config)
-    get_connector_class(afd.connector).check_deployment(afd, vllm_config)
+    from afd_moe_runners.builder import connector_class
+
+    connector_class(afd.connector).check_deployment(afd, vllm_config)
     model_runner_check(vllm_config, afd.role.value, model_name)
     if afd.role is AFDRole.ATTENTION:
         problem = compiled_graph_problem(vllm_config, _current_device_type(), model_name)
@@ -150,16 +154,13 @@ def tensor_parallel_problem(afd: AFDConfig, tensor_parallel_size: int) -> str | 
     return None
 
 
-#: ``--worker-cls`` of the Attention role with ``afd.num_micro_batches`` > 1, per device.
-AFD_WORKERS = {"cpu": "afd.runtime.worker.AFDCPUWorker", "cuda": "afd.runtime.worker.AFDGPUWorker"}
-
-
 def micro_batching_problem(vllm_config: Any, num_micro_batches: int) -> str | None:
     """Why this Attention engine cannot run ``num_micro_batches`` > 1, or None."""
     worker = str(getattr(vllm_config.parallel_config, "worker_cls", ""))
-    if not worker.startswith("afd.runtime.worker."):
+    if not is_micro_batch_worker(worker):
+        # the runtime registers its workers (afd_moe_runners.worker_table)
         device = _current_device_type()
-        wanted = AFD_WORKERS.get(device)
+        wanted = micro_batch_worker(device)
         if wanted is None:
             return (
                 f"afd.num_micro_batches={num_micro_batches} is not supported on {device} "

@@ -18,12 +18,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from afd_core.config import AFDConfig, AFDRole
+from afd_core.config import AFDConfig, AFDRole, afd_config_of
 from afd_core.errors import AFDConnectorClosedError, AFDPeerLostError
 
 logger = logging.getLogger("afd.runtime.ffn_server")
 
 READY_MARKER = "AFD FFN server ready"
+
+
+def _afd_config(vllm_config: Any) -> AFDConfig:
+    """The engine's AFD settings (parsed once per process, :func:`afd_config_of`)."""
+    afd = afd_config_of(vllm_config)
+    if afd is None:
+        return AFDConfig.from_additional_config(vllm_config.additional_config)  # the error
+    return afd
 
 
 @dataclass
@@ -79,7 +87,7 @@ class AFDWorkerExtension:
         from afd_moe_runners.role_model import role_identity
 
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
-        afd = AFDConfig.from_additional_config(vllm_config.additional_config)
+        afd = _afd_config(vllm_config)
         rank = afd.rank if afd.rank is not None else vllm_config.parallel_config.data_parallel_rank
         model = self._afd_model()
         stats = ServeStats()
@@ -192,7 +200,7 @@ def run_ffn_server(engine_args: Any, *, health_host: str = "0.0.0.0", health_por
     from afd.runtime.health import StatusServer, metrics_registry
 
     vllm_config = engine_args.create_engine_config()
-    afd = AFDConfig.from_additional_config(vllm_config.additional_config)
+    afd = _afd_config(vllm_config)
     if afd.role is not AFDRole.FFN:
         raise SystemExit(f"afd serve --role ffn got afd.role={afd.role.value!r}")
     linger_s = _linger_s()

@@ -87,6 +87,9 @@ def register() -> None:
     if _registered:
         return
     configure_logging()
+    from afd.runtime.worker import register_workers
+
+    register_workers()
     from afd_models_qwen.qwen3_5_import import install_import_hook
 
     if install_import_hook():

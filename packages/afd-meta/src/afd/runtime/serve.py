@@ -93,6 +93,13 @@ def afd_architecture(model: str, hf_overrides: dict[str, Any]) -> str:
 
 def prepare_role_args(role: str, model: str, rest: list[str]) -> list[str]:
     """vLLM CLI args for one role: AFD config merged in, AFD architecture selected."""
+    return prepare_role(role, model, rest)[1]
+
+
+def prepare_role(role: str, model: str, rest: list[str]) -> tuple[AFDConfig, list[str]]:
+    """The edge of a role process: its AFD section parsed once (aliases resolved, every
+    value checked) and the vLLM CLI args that carry it, in canonical keys
+    (:meth:`AFDConfig.to_section`), with the AFD architecture selected."""
     args = list(rest)
     additional = _json_option(args, "--additional-config")
     afd_section = dict(additional.get("afd") or {})
@@ -107,11 +114,13 @@ def prepare_role_args(role: str, model: str, rest: list[str]) -> list[str]:
         # afd's own switch: additional_config["afd"]["ffn_expert_parallel"] = true
         args.remove("--ffn-expert-parallel")
         afd_section["ffn_expert_parallel"] = True
-    AFDConfig.parse(afd_section)  # fail here, with the CLI's error, not deep in a worker
-    additional["afd"] = afd_section
+    # parsed here, once: fail with the CLI's error, not deep in a worker; the roles get
+    # canonical keys (afd_core.config.afd_config_of reads them)
+    afd = AFDConfig.parse(afd_section)
+    additional["afd"] = afd.to_section()
     hf_overrides = _json_option(args, "--hf-overrides")
     hf_overrides["architectures"] = [afd_architecture(model, hf_overrides)]
-    return [
+    return afd, [
         "--model",
         model,
         "--additional-config",
@@ -122,27 +131,31 @@ def prepare_role_args(role: str, model: str, rest: list[str]) -> list[str]:
     ]
 
 
-def attention_worker_args(argv: list[str], *, cuda: bool | None = None) -> list[str]:
+def attention_worker_args(
+    argv: list[str], *, cuda: bool | None = None, afd: AFDConfig | None = None
+) -> list[str]:
     """``--worker-cls`` of the AFD worker when the Attention role micro-batches.
 
     Empty when ``afd.num_micro_batches`` is 1 or the command already names a worker.
+    ``afd``: the role's parsed settings (:func:`prepare_role`); without it, the
+    command's ``--additional-config`` is parsed (the upstream alias num_afd_stages
+    counts too).
     """
     if any(a == "--worker-cls" or a.startswith("--worker-cls=") for a in argv):
         return []
-    probe = list(argv)
-    # parsed, not read by key: the upstream alias num_afd_stages counts too
-    afd = AFDConfig.from_additional_config(
-        _json_option(probe, "--additional-config"), role="attention"
-    )
+    if afd is None:
+        afd = AFDConfig.from_additional_config(
+            _json_option(list(argv), "--additional-config"), role="attention"
+        )
     if afd.num_micro_batches <= 1:
         return []
     if cuda is None:
         import torch
 
         cuda = bool(torch.cuda.is_available())
-    from afd_moe_runners.role_model import AFD_WORKERS
+    from afd.runtime.worker import WORKERS
 
-    return ["--worker-cls", AFD_WORKERS["cuda" if cuda else "cpu"]]
+    return ["--worker-cls", WORKERS["cuda" if cuda else "cpu"]]
 
 
 #: ``--compilation-config`` of a compiled Attention role on CUDA when none is given:
@@ -167,8 +180,8 @@ def attention_graph_args(argv: list[str], *, cuda: bool | None = None) -> list[s
 
 
 def serve_attention(model: str, rest: list[str]) -> int:
-    argv = prepare_role_args("attention", model, rest)
-    argv += attention_worker_args(argv)
+    afd, argv = prepare_role("attention", model, rest)
+    argv += attention_worker_args(argv, afd=afd)
     argv += attention_graph_args(argv)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *argv]
     logger.info("afd serve --role attention: %s", " ".join(cmd))

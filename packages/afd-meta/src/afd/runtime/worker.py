@@ -28,33 +28,45 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from afd_core.config import AFDConfig, AFDRole
+from afd_core.config import AFDRole, afd_config_of
 from afd_core.errors import AFDConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["micro_batches_of"]  # plus AFDCPUWorker and AFDGPUWorker, built on first access
+__all__ = ["WORKERS", "micro_batches_of", "register_workers"]
+# plus AFDCPUWorker and AFDGPUWorker, built on first access
+
+#: ``--worker-cls`` of the Attention role with ``afd.num_micro_batches`` > 1, per vLLM
+#: device type. The table lives here, with the workers; the plugin registers it
+#: (:func:`register_workers`) for the model's start-up check in ``afd_moe_runners``.
+WORKERS = {"cpu": f"{__name__}.AFDCPUWorker", "cuda": f"{__name__}.AFDGPUWorker"}
+#: The names the workers had before they moved into the runtime room (``afd.worker``,
+#: kept as an alias module): still accepted.
+FORMER_NAMES = ("afd.worker.AFDCPUWorker", "afd.worker.AFDGPUWorker")
 
 
-def _afd_of(vllm_config: Any) -> AFDConfig | None:
-    """The config's AFD section, parsed (None without one)."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    return AFDConfig.from_additional_config(extra) if "afd" in extra else None
+def register_workers() -> None:
+    """Tell ``afd_moe_runners`` which workers micro-batch (idempotent, imports nothing
+    heavy); the vLLM plugin calls it in every vLLM process."""
+    from afd_moe_runners.worker_table import register_micro_batch_workers
+
+    register_micro_batch_workers(WORKERS, aliases=FORMER_NAMES)
 
 
 def micro_batches_of(vllm_config: Any) -> int:
     """``afd.num_micro_batches`` of an Attention-role config (1 for anything else)."""
-    afd = _afd_of(vllm_config)
+    afd = afd_config_of(vllm_config)
     return afd.num_micro_batches if afd is not None and afd.role is AFDRole.ATTENTION else 1
 
 
 def _min_tokens_of(vllm_config: Any) -> int:
     """``afd.micro_batch_min_tokens`` of a config (0 without an AFD section)."""
-    afd = _afd_of(vllm_config)
+    afd = afd_config_of(vllm_config)
     return 0 if afd is None else afd.micro_batch_min_tokens
 
 
 def _prepare(vllm_config: Any) -> int:
+    register_workers()  # the model's start-up check accepts this worker (plugin or not)
     m = micro_batches_of(vllm_config)
     # Before ubatch_size is set: it turns this copy of the config to vLLM's V1 model
     # runner while the engine core's scheduler, which never sees it, may resolve to V2.
