@@ -4,6 +4,7 @@ baseline server); and the admission token they share."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Mapping, Sequence
@@ -84,14 +85,14 @@ def _tensor_parallel_args(spec: DeploymentSpec) -> list[str]:
 
 def _ffn_role(spec: DeploymentSpec, at: Layout, rank: int, cls: type[RoleProcess]) -> RoleProcess:
     name = f"ffn{rank}"
-    afd = spec.afd_section(AFDRole.FFN, rank, port=at.connector_port, host=at.rendezvous_host)
+    afd = spec.afd_config(AFDRole.FFN, rank, port=at.connector_port, host=at.rendezvous_host)
     health_port = at.ffn_health_ports[rank]
     host = at.host(spec, name)
     cmd = [
         sys.executable, "-m", "afd.cli", "serve", "--role", AFDRole.FFN.value,
         spec.ffn.model or spec.model,
         *spec.engine_args(), *spec.ffn.vllm_args,
-        "--additional-config", json.dumps({"afd": afd}),
+        "--additional-config", json.dumps({"afd": afd.to_section()}),
         "--health-host", host, "--health-port", str(health_port),
     ]  # fmt: skip
     return cls(
@@ -112,8 +113,8 @@ def _attention_role(spec: DeploymentSpec, at: Layout, cls: type[RoleProcess]) ->
     # together, and an FFN rank would wait forever for an idle peer.
     port = at.http_port
     host = at.host(spec, "attn")
-    afd = spec.afd_section(AFDRole.ATTENTION, 0, port=at.connector_port, host=at.rendezvous_host)
-    del afd["rank"]
+    afd = spec.afd_config(AFDRole.ATTENTION, 0, port=at.connector_port, host=at.rendezvous_host)
+    afd = dataclasses.replace(afd, rank=None)  # each DP rank's is its DP rank
     dp = ["--data-parallel-size", str(spec.num_attention)] if spec.num_attention > 1 else []
     dp += _tensor_parallel_args(spec)
     cmd = [
@@ -122,7 +123,7 @@ def _attention_role(spec: DeploymentSpec, at: Layout, cls: type[RoleProcess]) ->
         *spec.engine_args(), *spec.attention.vllm_args, *dp,
         "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
         "--host", host, "--port", str(port),
-        "--additional-config", json.dumps({"afd": afd}),
+        "--additional-config", json.dumps({"afd": afd.to_section()}),
     ]  # fmt: skip
     return cls(
         "attn",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,12 +15,20 @@ from afd.launch.checks import (
     check_cpus,
     check_devices,
     check_env,
-    resolve_model,
     unknown_key,
 )
+from afd.launch.connectors import same_host_only
 from afd.launch.cpus import CPU_BIND
 from afd.launch.devices import CUDA_VISIBLE_DEVICES, detect_cuda_devices
 from afd.launch.errors import SpecError
+from afd.launch.ray_spec import (
+    RAY_PLACEMENTS,
+    RayResources,
+    RaySpec,
+    check_ray_deployment,
+    check_ray_spec,
+)
+from afd.launch.spec_file import load_toml, spec_kwargs
 from afd_core.config import CONFIG_ALIASES, AFDConfig
 from afd_core.errors import AFDConfigError
 from afd_core.roles import AFDRole
@@ -50,11 +57,7 @@ docs/gpu.md)."""
 DEFAULT_NETWORK_CONNECTOR = "P2pGlooAFDConnector"
 """The default connector of a Ray deployment whose roles may run on different CPU hosts
 (any ``[ray] placement`` but ``strict_pack``): shared memory needs one host."""
-SHM_CONNECTORS = frozenset({"P2pShmAFDConnector"})
-"""Connectors whose ranks must share one host (a Ray deployment packs them on one node)."""
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-RAY_PLACEMENTS = ("strict_pack", "pack", "spread", "strict_spread")
-"""Ray placement group strategies (``[ray] placement``), lower case."""
 DEFAULT_HOST = "127.0.0.1"
 # afd keys the launcher sets itself.
 MANAGED_AFD_KEYS = {
@@ -95,56 +98,6 @@ class RoleOverrides:
     one CPU list per rank: a list, or one string with ``|`` between ranks (vLLM's format
     for the DP ranks of one server). ``"auto"`` / ``"nobind"``: vLLM's own modes.
     Default (None): a share of the usable CPUs on a CPU host (:func:`split_cpus`)."""
-
-
-@dataclass
-class RayResources:
-    """What one rank of a role asks Ray for (TOML tables ``[ray.attention]`` /
-    ``[ray.ffn]``). The attention server holds every attention rank (its DP ranks), so
-    its actor asks for ``num_attention`` times this; each FFN server for this once."""
-
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    resources: dict[str, float] = field(default_factory=dict)
-    """Custom Ray resources per rank, e.g. ``{NPU = 1}`` (declared by ``ray start
-    --resources``)."""
-
-    def bundle(self, ranks: int) -> dict[str, float]:
-        """The Ray resources of a role process holding ``ranks`` ranks (zeros left out)."""
-        out = {"CPU": self.num_cpus * ranks, "GPU": self.num_gpus * ranks}
-        out.update({k: v * ranks for k, v in self.resources.items()})
-        return {k: float(v) for k, v in out.items() if v}
-
-
-@dataclass
-class RaySpec:
-    """Where Ray places the roles (TOML table ``[ray]``; ``afd launch --ray [ADDRESS]``).
-
-    A spec with a ``[ray]`` table (or ``--ray``) runs every role process as a Ray actor
-    (:mod:`afd.launch.ray`); without it (or with ``--no-ray``) the same spec runs on this
-    host."""
-
-    address: str | None = None
-    """The cluster: ``"auto"``, ``"HOST:6379"``, ``"ray://HOST:10001"``; None: Ray's
-    default (``RAY_ADDRESS``, else the cluster ``ray start`` runs on this host, else a
-    one-host cluster for the launcher's lifetime)."""
-    placement: str | None = None
-    """Placement group strategy: ``strict_pack`` (one node), ``pack``, ``spread``,
-    ``strict_spread``. Default: ``strict_pack`` with the shared-memory connector, else
-    ``spread``."""
-    namespace: str = "afd"
-    """Ray namespace of the deployment's named actors (``afd-<id>-<role>``)."""
-    placement_timeout_s: float = 120.0
-    """How long to wait for the cluster to grant the placement group."""
-    attention: RayResources = field(default_factory=RayResources)
-    ffn: RayResources = field(default_factory=RayResources)
-
-    def resources(self, role: AFDRole) -> RayResources:
-        return self.attention if AFDRole(role) is AFDRole.ATTENTION else self.ffn
-
-    @property
-    def uses_gpus(self) -> bool:
-        return bool(self.attention.num_gpus or self.ffn.num_gpus)
 
 
 @dataclass
@@ -267,76 +220,10 @@ class DeploymentSpec:
         self._check_afd()
 
     def _check_ray(self) -> None:
-        if self.ray is None:
-            return
-        if isinstance(self.ray, Mapping):
-            self.ray = _ray_from_mapping(self.ray)
-        if not isinstance(self.ray, RaySpec):
-            raise _fail("ray", "a table with address / placement / attention / ffn ...", self.ray)
-        ray = self.ray
-        if ray.address is not None and (not isinstance(ray.address, str) or not ray.address):
-            raise _fail("ray.address", '"auto", "HOST:PORT" or "ray://HOST:PORT"', ray.address)
-        if ray.placement is not None:
-            if not isinstance(ray.placement, str) or ray.placement.lower() not in RAY_PLACEMENTS:
-                raise _fail("ray.placement", "one of " + ", ".join(RAY_PLACEMENTS), ray.placement)
-            ray.placement = ray.placement.lower()
-        if not isinstance(ray.namespace, str) or not ray.namespace.strip():
-            raise _fail("ray.namespace", "a Ray namespace name", ray.namespace)
-        t = ray.placement_timeout_s
-        if not isinstance(t, int | float) or isinstance(t, bool) or t <= 0:
-            raise _fail("ray.placement_timeout_s", "a number of seconds > 0", t)
-        for role in AFDRole:
-            res = getattr(ray, role)
-            if isinstance(res, Mapping):
-                names = [f.name for f in dataclasses.fields(RayResources)]
-                for key in res:
-                    if key not in names:
-                        raise unknown_key(f"ray.{role}: ", key, names)
-                res = RayResources(**dict(res))
-                setattr(ray, role, res)
-            if not isinstance(res, RayResources):
-                raise _fail(f"ray.{role}", "a table with num_cpus / num_gpus / resources", res)
-            for name in ("num_cpus", "num_gpus"):
-                v = getattr(res, name)
-                if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
-                    raise _fail(f"ray.{role}.{name}", "a number >= 0 (per rank)", v)
-            if not isinstance(res.resources, Mapping):
-                raise _fail(f"ray.{role}.resources", "a table of NAME = amount", res.resources)
-            res.resources = dict(res.resources)
-            for k, v in res.resources.items():
-                if not isinstance(k, str) or not k:
-                    raise SpecError(f"ray.{role}.resources: invalid resource name {k!r}")
-                if k.upper() in ("CPU", "GPU"):
-                    raise SpecError(
-                        f"ray.{role}.resources.{k}: use ray.{role}.num_{k.lower()}s instead"
-                    )
-                if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
-                    raise _fail(f"ray.{role}.resources.{k}", "a number >= 0 (per rank)", v)
-            if not res.bundle(1):
-                raise SpecError(
-                    f"ray.{role}: asks Ray for nothing; a role needs num_cpus, num_gpus or a "
-                    "resource > 0 to be placed"
-                )
-        if self.native:
-            raise SpecError("native: the native baseline runs on this host; drop [ray] / --ray")
-        if self.host != DEFAULT_HOST:
-            raise SpecError(
-                f"host: {self.host!r} with [ray]: every role binds its Ray node's address "
-                "(the attention node's is the rendezvous host); leave host unset"
-            )
-        for role in AFDRole:
-            if self.overrides(role).devices is not None:
-                raise SpecError(
-                    f"{role}.devices with [ray]: Ray assigns the GPUs of each actor; use "
-                    f"ray.{role}.num_gpus instead"
-                )
-        explicit = self.afd.get("connector") if isinstance(self.afd, Mapping) else None
-        if explicit in SHM_CONNECTORS and ray.placement not in (None, "strict_pack"):
-            raise SpecError(
-                f"ray.placement: {ray.placement!r} with the shared-memory connector "
-                f"{explicit}: its ranks must share one host; use placement = "
-                f'"strict_pack" or a network connector ({DEFAULT_NETWORK_CONNECTOR}, '
-                f"{DEFAULT_CUDA_CONNECTOR})"
+        if self.ray is not None:
+            self.ray = check_ray_spec(self.ray)
+            check_ray_deployment(
+                self, DEFAULT_HOST, (DEFAULT_NETWORK_CONNECTOR, DEFAULT_CUDA_CONNECTOR)
             )
 
     def _check_role(self, role: AFDRole) -> None:
@@ -385,10 +272,8 @@ class DeploymentSpec:
         self.afd = canonical
 
     def _check_afd(self) -> None:
-        try:  # afd-core's checks, the ones the roles will run, but now
-            AFDConfig.parse(self.afd_section(AFDRole.ATTENTION, 0, port=1))
-        except AFDConfigError as exc:
-            raise SpecError(str(exc)) from None
+        # afd-core's checks, the ones the roles will run, but now
+        self.afd_config(AFDRole.ATTENTION, 0, port=1)
 
     # -- derived -------------------------------------------------------------------
     def overrides(self, role: AFDRole) -> RoleOverrides:
@@ -432,7 +317,7 @@ class DeploymentSpec:
         and ``spread`` for the others."""
         if self.ray is not None and self.ray.placement:
             return self.ray.placement
-        return "strict_pack" if self.connector in SHM_CONNECTORS else "spread"
+        return "strict_pack" if same_host_only(self.connector) else "spread"
 
     def afd_section(
         self, role: AFDRole, rank: int, *, port: int, host: str | None = None
@@ -453,6 +338,16 @@ class DeploymentSpec:
             "num_ffn_ranks": self.num_ffn,
             "compute_gate_on_attention": self.compute_gate_on_attention,
         }
+
+    def afd_config(
+        self, role: AFDRole, rank: int, *, port: int, host: str | None = None
+    ) -> AFDConfig:
+        """The typed settings of one role process (:meth:`afd_section`, parsed): what its
+        command carries, in canonical keys (:meth:`AFDConfig.to_section`)."""
+        try:
+            return AFDConfig.parse(self.afd_section(role, rank, port=port, host=host))
+        except AFDConfigError as exc:
+            raise SpecError(str(exc)) from None
 
     def engine_args(self) -> list[str]:
         """vLLM engine args shared by every role (and by the native baseline)."""
@@ -485,27 +380,8 @@ class DeploymentSpec:
 
     @classmethod
     def _from_dict(cls, data: Mapping[str, Any], base_dir: Path | None) -> DeploymentSpec:
-        if not isinstance(data, Mapping):
-            raise SpecError(f"expected a table, got {type(data).__name__}")
         names = [f.name for f in dataclasses.fields(cls)]
-        aliases = {"attention_servers": "num_attention", "ffn_servers": "num_ffn"}
-        kwargs: dict[str, Any] = {}
-        for key, value in data.items():
-            key = aliases.get(key, key)
-            if key not in names:
-                raise unknown_key("", key, names)
-            kwargs[key] = value
-        if "model" not in kwargs:
-            raise SpecError("model: missing (the checkpoint directory or model name)")
-        if base_dir is not None:
-            kwargs["model"] = resolve_model(kwargs["model"], base_dir)
-            if isinstance(kwargs.get("log_dir"), str):
-                kwargs["log_dir"] = str(base_dir / Path(kwargs["log_dir"]).expanduser())
-            for role in AFDRole:
-                table = kwargs.get(role)
-                if isinstance(table, Mapping) and isinstance(table.get("model"), str):
-                    kwargs[role] = {**table, "model": resolve_model(table["model"], base_dir)}
-        return cls(**kwargs)
+        return cls(**spec_kwargs(data, names, base_dir))
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> DeploymentSpec:
@@ -522,24 +398,3 @@ def _overrides_from_mapping(role: AFDRole, table: Mapping[str, Any]) -> RoleOver
         if key not in names:
             raise unknown_key(f"{role}: ", key, names)
     return RoleOverrides(**dict(table))
-
-
-def _ray_from_mapping(table: Mapping[str, Any]) -> RaySpec:
-    names = [f.name for f in dataclasses.fields(RaySpec)]
-    for key in table:
-        if key not in names:
-            raise unknown_key("ray: ", key, names)
-    return RaySpec(**dict(table))
-
-
-def load_toml(path: str | os.PathLike[str]) -> tuple[dict[str, Any], Path]:
-    """``(the parsed spec file, its folder)``: the folder is where relative paths in it
-    resolve. A missing or malformed file raises :class:`SpecError` naming it."""
-    p = Path(path).expanduser()
-    try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"{p}: no such spec file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"{p}: not valid TOML: {exc}") from None
-    return data, p.resolve().parent
