@@ -279,6 +279,19 @@ class AFDConfig:
     @classmethod
     def parse(cls, mapping: Mapping[str, Any]) -> AFDConfig:
         """Build from the ``"afd"`` section (canonical keys or upstream aliases)."""
+        values = cls.canonical(mapping)
+        if "role" not in values or values["role"] is None:
+            raise AFDConfigError(
+                "afd.role: required, expected 'attention' or 'ffn', got nothing "
+                "(set additional_config['afd']['role'] or pass role=)"
+            )
+        return cls(**values)
+
+    @classmethod
+    def canonical(cls, mapping: Mapping[str, Any]) -> dict[str, Any]:
+        """The section (or a part of it) under canonical keys: the one place where the
+        upstream aliases (:data:`CONFIG_ALIASES`) are resolved; unknown keys and a key
+        given twice (as itself and as its alias) are refused. Values are not checked."""
         if not isinstance(mapping, Mapping):
             raise AFDConfigError(f"afd: expected a mapping of settings, got {_describe(mapping)}")
         valid = cls.field_names()
@@ -306,12 +319,7 @@ class AFDConfig:
                 )
             given_as[canonical] = key
             values[canonical] = value
-        if "role" not in values or values["role"] is None:
-            raise AFDConfigError(
-                "afd.role: required, expected 'attention' or 'ffn', got nothing "
-                "(set additional_config['afd']['role'] or pass role=)"
-            )
-        return cls(**values)
+        return values
 
     @classmethod
     def from_additional_config(

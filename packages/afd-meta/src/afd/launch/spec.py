@@ -29,7 +29,7 @@ from afd.launch.ray_spec import (
     check_ray_spec,
 )
 from afd.launch.spec_file import load_toml, spec_kwargs
-from afd_core.config import CONFIG_ALIASES, AFDConfig
+from afd_core.config import AFDConfig
 from afd_core.errors import AFDConfigError
 from afd_core.roles import AFDRole
 
@@ -256,19 +256,15 @@ class DeploymentSpec:
         spec (connector choice, placement, bench) sees one name per setting."""
         if not isinstance(self.afd, Mapping):
             raise SpecError(f"afd: expected a table of afd keys, got {self.afd!r}")
-        canonical: dict[str, Any] = {}
-        given_as: dict[str, str] = {}
-        for key, value in self.afd.items():
-            name = CONFIG_ALIASES.get(key, key) if isinstance(key, str) else key
+        try:  # afd-core resolves the aliases (and refuses unknown keys, a key given twice)
+            canonical = AFDConfig.canonical(self.afd)
+            names = {key: next(iter(AFDConfig.canonical({key: None}))) for key in self.afd}
+        except AFDConfigError as exc:
+            raise SpecError(str(exc)) from None
+        for key, name in names.items():
             managed = MANAGED_AFD_KEYS.get(name)  # afd_port: port
             if managed is not None:
                 raise SpecError(f"afd.{key}: set by the launcher; use the spec field {managed}")
-            if name in canonical:
-                raise SpecError(
-                    f"afd.{name}: given twice, as {given_as[name]!r} and {key!r}; "
-                    f"keep only {name!r}"
-                )
-            canonical[name], given_as[name] = value, key
         self.afd = canonical
 
     def _check_afd(self) -> None:
