@@ -338,3 +338,31 @@ def test_guard_stops_the_group_once_its_owner_is_gone() -> None:
         for p in (owner, role):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL) if p is role else p.kill()
+
+
+def test_placement_follows_the_connectors_declared_same_host_only() -> None:
+    """Not a table of names: a connector of any distribution that declares
+    ``same_host_only`` is packed on one node, and refused with a placement that may
+    split the roles; one that does not is spread."""
+    from afd.launch.connectors import connector_capabilities, same_host_only
+    from afd_core.connector import ConnectorCapabilities
+    from afd_core.registry import register_connector, unregister_connector
+    from afd_core.testing.loopback import LoopbackAFDConnector
+
+    class OneHostOnly(LoopbackAFDConnector):
+        name = "OneHostOnlyTestConnector"
+        capabilities = ConnectorCapabilities(same_host_only=True)
+
+    assert same_host_only("P2pShmAFDConnector")
+    assert not same_host_only("P2pGlooAFDConnector")
+    assert not same_host_only("NoSuchConnector")  # the roles name the installed ones
+    register_connector(OneHostOnly.name, OneHostOnly)
+    connector_capabilities.cache_clear()
+    try:
+        afd = {"connector": OneHostOnly.name}
+        assert DeploymentSpec(model="/m", ray={}, afd=afd).ray_placement == "strict_pack"
+        with pytest.raises(SpecError, match=r"'spread' with the shared-memory connector One"):
+            DeploymentSpec(model="/m", ray={"placement": "spread"}, afd=afd)
+    finally:
+        unregister_connector(OneHostOnly.name)
+        connector_capabilities.cache_clear()
