@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from afd import cli, environment
+from afd import cli
+from afd.runtime import environment
 
 
 def _versions(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str]) -> None:

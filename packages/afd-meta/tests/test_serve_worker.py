@@ -117,3 +117,16 @@ def test_prepare_role_hands_vllm_the_section_in_canonical_keys() -> None:
         "--worker-cls",
         "afd.runtime.worker.AFDCPUWorker",
     ]
+
+
+def test_prepare_role_reads_the_role_under_its_alias_too() -> None:
+    from afd.runtime.serve import prepare_role
+    from afd_core.errors import AFDConfigError
+
+    hf = ["--hf-overrides", '{"architectures": ["AFDQwen3MoeForCausalLM"]}']
+    with pytest.raises(AFDConfigError, match=r"--role attention conflicts with afd\.role='ffn'"):
+        prepare_role("attention", "m", [*hf, "--additional-config", '{"afd": {"afd_role": "ffn"}}'])
+    afd, _ = prepare_role(
+        "attention", "m", [*hf, "--additional-config", '{"afd": {"afd_role": "attention"}}']
+    )
+    assert afd.role.value == "attention"

@@ -102,13 +102,12 @@ def prepare_role(role: str, model: str, rest: list[str]) -> tuple[AFDConfig, lis
     (:meth:`AFDConfig.to_section`), with the AFD architecture selected."""
     args = list(rest)
     additional = _json_option(args, "--additional-config")
-    afd_section = dict(additional.get("afd") or {})
-    given_role = afd_section.get("role", afd_section.get("afd_role"))
+    afd_section = AFDConfig.canonical(additional.get("afd") or {})  # aliases resolved
+    given_role = afd_section.get("role")
     if given_role is not None and given_role != role:
         raise AFDConfigError(
             f"--role {role} conflicts with afd.role={given_role!r} in --additional-config"
         )
-    afd_section.pop("afd_role", None)
     afd_section["role"] = role
     if "--ffn-expert-parallel" in args:
         # afd's own switch: additional_config["afd"]["ffn_expert_parallel"] = true
