@@ -112,3 +112,40 @@ def test_runner_and_model_layers_name_no_concrete_connector() -> None:
             text = path.read_text()
             found += [f"{path.relative_to(ROOT)}: {n}" for n in sorted(names) if n in text]
     assert found == []
+
+
+def test_lower_layers_name_no_module_of_the_afd_package() -> None:
+    """No string in afd-core, the connectors, the runners or the models names a module of
+    the meta package ``afd`` (a ``--worker-cls`` such as ``"afd.runtime.worker.X"``): the
+    runtime registers what a lower layer must know (``afd_moe_runners.worker_table``).
+    Docstrings may mention them."""
+    import ast
+    import re
+
+    meta = ROOT / "packages" / "afd-meta" / "src" / "afd"
+    modules = sorted({p.stem for p in meta.iterdir() if not p.name.startswith("_")})
+    assert {"runtime", "launch", "cli"} <= set(modules)
+    pattern = re.compile(rf"\bafd\.({'|'.join(modules)})\b")
+    found = []
+    for package in sorted((ROOT / "packages").iterdir()):
+        if package.name == "afd-meta":
+            continue
+        for path in sorted((package / "src").rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            docstrings = {
+                id(node.body[0].value)
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
+                and node.body
+                and isinstance(node.body[0], ast.Expr)
+                and isinstance(node.body[0].value, ast.Constant)
+            }
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Constant)
+                    and isinstance(node.value, str)
+                    and id(node) not in docstrings
+                    and pattern.search(node.value)
+                ):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value[:60]!r}")
+    assert found == []
