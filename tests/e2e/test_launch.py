@@ -155,7 +155,7 @@ def test_2a1f_serves_and_stops_on_sigterm(
         launcher.proc.send_signal(signal.SIGTERM)
         rc = launcher.proc.wait(timeout=30)
         stopped_s = time.monotonic() - t0
-        launcher._reader.join(5)
+        launcher.join_output(5)
         assert rc == 0, launcher.output[-3000:]
         assert "stopped; no process left" in launcher.output
         out = launcher.output.splitlines()
@@ -193,7 +193,7 @@ def test_role_failing_at_startup_fails_the_launch(tiny_model: Path, tmp_path: Pa
     try:
         rc = launcher.proc.wait(timeout=60)
         elapsed = time.monotonic() - t0
-        launcher._reader.join(5)
+        launcher.join_output(5)
         out = launcher.output
         assert rc != 0, out[-3000:]
         assert elapsed < 60
