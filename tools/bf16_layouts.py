@@ -58,8 +58,8 @@ def native(model: Path, out: Path, prompts: list[str], tp: int) -> list[list[int
 
 
 def afd(model: Path, out: Path, prompts: list[str], name: str) -> list[list[int]]:
-    from afd.demo import complete_each
     from afd.launch import Deployment, DeploymentSpec
+    from afd.tools.client import complete_each
 
     spec = DeploymentSpec(
         model=str(model),
@@ -75,7 +75,7 @@ def afd(model: Path, out: Path, prompts: list[str], name: str) -> list[list[int]
 
 
 def main() -> int:
-    from afd.reference import FIXED_PROMPTS
+    from afd.tools.reference import FIXED_PROMPTS
 
     model, out = Path(sys.argv[1]), Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Tiny checkpoint generator (afd.models.tiny) and the native vLLM reference runner."""
+"""Tiny checkpoint generator (afd.tools.models.tiny) and the native vLLM reference runner."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-from afd.models.tiny import (
+from afd.tools.models.tiny import (
     GENERATOR_VERSION,
     STAMP_FILE,
     TINY_ARCHS,

@@ -785,6 +785,8 @@ def _init_weights(
 
 def _stamp(arch: str, variant: str | None, seed: int, size: str = "tiny") -> dict[str, Any]:
     stamp = {
+        # The generator's name when the stamp format was fixed (before the module moved
+        # to afd.tools.models): part of every stamp's bytes, so it stays.
         "generator": "afd.models.tiny",
         "generator_version": GENERATOR_VERSION,
         "arch": arch,
@@ -912,7 +914,7 @@ def _main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(
-        prog="python -m afd.models.tiny", description="Generate a tiny MoE checkpoint."
+        prog="python -m afd.tools.models.tiny", description="Generate a tiny MoE checkpoint."
     )
     ap.add_argument("arch", choices=sorted(TINY_ARCHS))
     ap.add_argument("out_dir", type=Path)
