@@ -8,7 +8,7 @@ build loads in seconds.
 from afd.tools.models.tiny import (
     GENERATOR_VERSION,
     TINY_ARCHS,
-    TinySpec,
+    TinyRecipe,
     checkpoint_name,
     generate_tiny_checkpoint,
     tiny_config,
@@ -18,7 +18,7 @@ from afd.tools.models.tiny import (
 __all__ = [
     "GENERATOR_VERSION",
     "TINY_ARCHS",
-    "TinySpec",
+    "TinyRecipe",
     "checkpoint_name",
     "generate_tiny_checkpoint",
     "tiny_config",

@@ -4,44 +4,14 @@
 directory (``config.json``, ``model.safetensors``, ``tokenizer.json``,
 ``tokenizer_config.json`` ...) that vLLM 0.32's CPU build loads as-is. The configs are
 small (3-4 layers, hidden 128, 8-16 routed experts, top-2) but keep every structural
-feature the AFD split must handle:
+feature the AFD split must handle. The recipes are data
+(:class:`afd_moe_runners.recipes.TinyRecipe`): DeepSeek's in
+:mod:`afd_models_deepseek.recipes`, Qwen's in :mod:`afd_models_qwen.recipes`, the other
+families' (Mixtral, GLM-4.5, ERNIE-4.5, GPT-OSS, MiniMax-M2, OLMoE) in
+:mod:`afd.tools.models.recipes`; each module's docstring says what its recipes keep. The
+tokenizer is :mod:`afd.tools.models.tokenizer`.
 
-* ``deepseek_v2``: MLA (``kv_lora_rank=512``, ``qk_rope_head_dim=64``: the only latent
-  size CPU MLA supports), ``q_lora_rank=None``, layer 0 dense and layers 1-2 MoE,
-  softmax greedy top-k, one shared expert.
-* ``deepseek_v3``: MLA with ``q_lora_rank``, grouped top-k (``n_group=4``,
-  ``topk_group=2``), ``noaux_tc`` with a non-zero random ``e_score_correction_bias``,
-  sigmoid scoring, ``routed_scaling_factor=2.5``, one shared expert.
-* ``qwen3_moe``: GQA attention with q/k norms, all layers MoE, ``norm_topk_prob=True``;
-  variants ``no_norm_topk`` and ``dense_layers`` (``mlp_only_layers=[1]``).
-* ``qwen3_5_moe_text``: the text model of Qwen3.5/3.6-MoE (``Qwen3_5MoeForCausalLM``,
-  ``model_type=qwen3_5_moe_text``): hybrid layers (Gated DeltaNet linear attention
-  ``linear_attention`` x3, then gated full attention), every layer MoE with a gated
-  shared expert, ``norm_topk_prob=True``.
-* ``mixtral``: GQA attention, every layer MoE (``block_sparse_moe``, experts ``w1/w2/w3``),
-  softmax top-2 renormalised, no shared expert, no dense layer.
-* ``glm4_moe``: layer 0 dense (``first_k_dense_replace=1``), then MoE with one shared
-  expert, sigmoid grouped top-k (``n_group=4``, ``topk_group=2``) with a random fp32
-  ``e_score_correction_bias`` buffer, ``routed_scaling_factor=2.5``; attention with q/k/v
-  biases, q/k norms and partial RoPE (``partial_rotary_factor=0.5``) as GLM-4.5.
-* ``ernie4_5_moe``: layer 0 dense (``moe_layer_start_index=1``), then MoE with 2 shared
-  experts (one MLP of 2 x ``moe_intermediate_size``), softmax top-2 chosen with a random
-  fp32 ``moe_statics.e_score_correction_bias`` (a parameter, shape ``(1, experts)``).
-* ``qwen3_next``: hybrid layers like ``qwen3_5_moe_text`` (Gated DeltaNet x3, then gated
-  full attention; linear key/value head size 128, what the CPU GDN kernel supports),
-  every layer MoE with a sigmoid-gated shared expert.
-* ``gpt_oss``: alternating sliding-window (16) / full attention with q/k/v/o biases and
-  per-head sinks, head size 64, YaRN RoPE; every layer MoE with a biased router and fused
-  biased experts (``experts.gate_up_proj`` stored ``(experts, in, out)``, SwiGLU-OAI).
-* ``minimax_m2``: every layer MoE (``block_sparse_moe``), sigmoid top-2 with a random fp32
-  ``e_score_correction_bias`` buffer (``use_routing_bias``), per-layer q/k norms over all
-  heads, partial RoPE (``rotary_dim`` = half the head).
-* ``olmoe``: every layer MoE, softmax top-2 without renormalisation, q/k norms over all
-  heads, no shared expert.
-* ``qwen2_moe``: every layer MoE with a sigmoid-gated shared expert, q/k/v biases,
-  ``norm_topk_prob=False``.
-
-All of them generate in transformers. On vLLM 0.32's CPU build (``afd.reference``) all
+All of them generate in transformers. On vLLM 0.32's CPU build (``python -m afd.reference``) all
 run greedy deterministically in bf16 and fp32 except: ``minimax_m2`` does not run (the
 CPU router takes sigmoid scoring only through grouped top-k: ``AssertionError`` in
 ``CPURouter``); ``qwen3_5_moe_text``'s vLLM model file needs torchvision (see
@@ -74,18 +44,26 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from afd.tools.models.recipes import TINY_RECIPES
+from afd.tools.models.tokenizer import (
+    BOS,
+    EOS,
+    PAD,
+    SPECIAL_TOKENS,
+    save_tokenizer,
+    tokenizer_vocab_size,
+)
+from afd_moe_runners.recipes import TinyRecipe
 
 __all__ = [
     "GENERATOR_VERSION",
     "STAMP_FILE",
     "TINY_ARCHS",
     "TINY_SIZES",
-    "TinySpec",
+    "TinyRecipe",
     "checkpoint_name",
     "generate_tiny_checkpoint",
     "register_tiny_arch",
@@ -99,459 +77,20 @@ STAMP_FILE = "afd_checkpoint.json"
 #: Checkpoint sizes: "tiny" (the default, for tests) and "bench" (for benchmarks).
 TINY_SIZES = ("tiny", "bench")
 
-#: Target size of the locally trained byte-level BPE vocabulary (the model's vocab_size
-#: is the tokenizer's actual size, which is this whenever the corpus allows it).
-TOKENIZER_VOCAB_SIZE = 1024
-#: ``<|endoftext|>`` is in the vocabulary because some tokenizer classes transformers
-#: picks from a model type (Qwen3.5's) add it when it is missing, which would make the
-#: tokenizer one token larger than the model's vocabulary.
-SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|endoftext|>")
-BOS, EOS, PAD, END_OF_TEXT = SPECIAL_TOKENS
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ message['role'] }}: {{ message['content'] }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
+#: Every architecture ``generate_tiny_checkpoint`` knows, by name.
+TINY_ARCHS: dict[str, TinyRecipe] = {}
 
 
-@dataclass(frozen=True)
-class TinySpec:
-    """How to build one tiny architecture.
-
-    ``build(variant)`` returns the transformers config keyword arguments, without the
-    vocabulary and special-token ids (filled in from the tokenizer). ``bench``, when
-    set, returns the overrides of the bench-size checkpoint for a variant.
-    """
-
-    arch: str
-    config_cls: str
-    model_cls: str
-    build: Callable[[str | None], dict[str, Any]]
-    variants: tuple[str, ...] = ()
-    #: Router correction biases (by attribute name): persistent buffers, or parameters,
-    #: that are checkpoint weights, get a small random init (``_BIAS_STD``) and stay
-    #: fp32, e.g. DeepSeek-V3's ``e_score_correction_bias``.
-    extra_buffers: tuple[str, ...] = ()
-    bench: Callable[[str | None], dict[str, Any]] | None = None
-    #: Parameters (by name suffix) stored ``(..., in, out)``, whose fan-in is
-    #: ``shape[-2]``, e.g. GPT-OSS's fused ``experts.gate_up_proj``.
-    transposed: tuple[str, ...] = ()
-
-
-# --------------------------------------------------------------------------- configs
-
-_MLA_COMMON: dict[str, Any] = {
-    "hidden_size": 128,
-    "intermediate_size": 256,  # dense layers
-    "moe_intermediate_size": 64,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    # CPU MLA supports only a latent head size of 576 = kv_lora_rank + qk_rope_head_dim.
-    "kv_lora_rank": 512,
-    "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 32,
-    "v_head_dim": 32,
-    "first_k_dense_replace": 1,  # layer 0 dense, later layers MoE
-    "moe_layer_freq": 1,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "hidden_act": "silu",
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
-
-
-def _deepseek_v2(variant: str | None) -> dict[str, Any]:
-    _no_variants("deepseek_v2", variant)
-    return {
-        **_MLA_COMMON,
-        "q_lora_rank": None,
-        "n_routed_experts": 8,
-        "topk_method": "greedy",
-        "scoring_func": "softmax",
-        # vLLM always builds a grouped top-k router for DeepSeek; 1 group = plain top-k.
-        "n_group": 1,
-        "topk_group": 1,
-        "norm_topk_prob": False,
-        "routed_scaling_factor": 1.0,
-    }
-
-
-def _deepseek_v3(variant: str | None) -> dict[str, Any]:
-    _no_variants("deepseek_v3", variant)
-    return {
-        **_MLA_COMMON,
-        "q_lora_rank": 64,
-        "n_routed_experts": 16,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        "n_group": 4,
-        "topk_group": 2,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "num_nextn_predict_layers": 0,
-    }
-
-
-def _deepseek_v32(variant: str | None) -> dict[str, Any]:
-    """DeepSeek-V3.2: V3's MLA and routing plus the sparse-attention indexer."""
-    _no_variants("deepseek_v32", variant)
-    return {
-        **_deepseek_v3(None),
-        "index_topk": 16,
-        "index_head_dim": 64,
-        "index_n_heads": 4,
-    }
-
-
-def _qwen3_moe(variant: str | None) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "hidden_size": 128,
-        "intermediate_size": 256,  # dense (mlp_only) layers
-        "moe_intermediate_size": 64,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "hidden_act": "silu",
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "use_sliding_window": False,
-    }
-    if variant is None:
-        return cfg
-    if variant == "no_norm_topk":
-        return {**cfg, "norm_topk_prob": False}
-    if variant == "dense_layers":
-        return {**cfg, "mlp_only_layers": [1]}
-    raise ValueError(f"unknown qwen3_moe variant {variant!r}; known: no_norm_topk, dense_layers")
-
-
-def _qwen3_moe_bench(variant: str | None) -> dict[str, Any]:
-    """Bench size: hidden 512, 8 MoE layers, 16 experts top-4, ~57M parameters."""
-    cfg = {
-        "hidden_size": 512,
-        "intermediate_size": 1024,  # dense (mlp_only) layers of the dense_layers variant
-        "moe_intermediate_size": 256,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "num_experts": 16,
-        "num_experts_per_tok": 4,
-        "max_position_embeddings": 2048,
-    }
-    if variant == "dense_layers":
-        return {**cfg, "mlp_only_layers": [3]}
-    return cfg
-
-
-def _deepseek_v3_bench(variant: str | None) -> dict[str, Any]:
-    """Bench size: hidden 512, 1 dense + 8 MoE layers, 16 routed experts top-4."""
-    _no_variants("deepseek_v3", variant)
-    return {
-        "hidden_size": 512,
-        "intermediate_size": 1024,
-        "moe_intermediate_size": 192,
-        "num_hidden_layers": 9,  # first_k_dense_replace=1: 8 MoE layers
-        "num_attention_heads": 8,
-        "num_key_value_heads": 8,
-        "q_lora_rank": 256,
-        "qk_nope_head_dim": 64,
-        "v_head_dim": 64,
-        "n_routed_experts": 16,  # n_group=4, topk_group=2: 8 candidates for the top-4
-        "num_experts_per_tok": 4,
-        "max_position_embeddings": 2048,
-    }
-
-
-def _qwen3_5_moe_text(variant: str | None) -> dict[str, Any]:
-    _no_variants("qwen3_5_moe_text", variant)
-    return {
-        "hidden_size": 128,
-        "num_hidden_layers": 4,
-        "layer_types": [
-            "linear_attention",
-            "linear_attention",
-            "linear_attention",
-            "full_attention",
-        ],
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,  # the CPU GDN kernel supports 128 (as real models)
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 64,
-        "shared_expert_intermediate_size": 64,
-        "hidden_act": "silu",
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-    }
-
-
-# Common to the GQA families below: 4 query heads of 32 (the CPU attention supports
-# head sizes 32/64/128), 2 KV heads, 8 routed experts top-2.
-_GQA_COMMON: dict[str, Any] = {
-    "hidden_size": 128,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "num_experts_per_tok": 2,
-    "hidden_act": "silu",
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
-
-
-def _mixtral(variant: str | None) -> dict[str, Any]:
-    _no_variants("mixtral", variant)
-    return {
-        **_GQA_COMMON,
-        "intermediate_size": 64,  # the experts' (Mixtral has no dense layers)
-        "num_local_experts": 8,
-        "sliding_window": None,
-    }
-
-
-def _glm4_moe(variant: str | None) -> dict[str, Any]:
-    _no_variants("glm4_moe", variant)
-    return {
-        **_GQA_COMMON,
-        "intermediate_size": 256,  # layer 0 (dense)
-        "moe_intermediate_size": 64,
-        "first_k_dense_replace": 1,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "n_group": 4,  # grouped top-k: 4 groups of 2, the best 2 groups
-        "topk_group": 2,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "partial_rotary_factor": 0.5,  # as GLM-4.5: RoPE on half of each head
-        "attention_bias": True,
-        "use_qk_norm": True,
-        "num_nextn_predict_layers": 0,
-    }
-
-
-def _ernie4_5_moe(variant: str | None) -> dict[str, Any]:
-    _no_variants("ernie4_5_moe", variant)
-    return {
-        **_GQA_COMMON,
-        "intermediate_size": 256,  # layer 0 (dense)
-        "moe_intermediate_size": 64,
-        "moe_num_experts": 8,
-        "moe_k": 2,
-        "moe_num_shared_experts": 2,  # as ERNIE-4.5-21B-A3B: one MLP of 2 x 64
-        "moe_layer_start_index": 1,
-        "moe_layer_end_index": 2,
-        "moe_layer_interval": 1,
-        "use_bias": False,
-    }
-
-
-def _qwen3_next(variant: str | None) -> dict[str, Any]:
-    _no_variants("qwen3_next", variant)
-    return {
-        **_GQA_COMMON,
-        "num_hidden_layers": 4,
-        "layer_types": [
-            "linear_attention",
-            "linear_attention",
-            "linear_attention",
-            "full_attention",
-        ],
-        "intermediate_size": 256,  # mlp_only layers (none)
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,  # the CPU GDN kernel supports 128 (as real models)
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "num_experts": 8,
-        "moe_intermediate_size": 64,
-        "shared_expert_intermediate_size": 64,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-    }
-
-
-def _gpt_oss(variant: str | None) -> dict[str, Any]:
-    _no_variants("gpt_oss", variant)
-    return {
-        **_GQA_COMMON,
-        "num_hidden_layers": 4,  # sliding / full attention alternate
-        "head_dim": 64,  # as gpt-oss
-        "intermediate_size": 64,  # the experts' (2 x 64 = hidden: gate_up is square)
-        "num_local_experts": 8,
-        "sliding_window": 16,  # real: 128; 16 so that the reference prompts use it
-        "attention_bias": True,
-        "rms_norm_eps": 1e-5,  # vLLM hard-codes 1e-5
-        "rope_parameters": {
-            "rope_type": "yarn",
-            "rope_theta": 150000.0,
-            "factor": 4.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": 128,
-        },
-    }
-
-
-def _minimax_m2(variant: str | None) -> dict[str, Any]:
-    _no_variants("minimax_m2", variant)
-    return {
-        **_GQA_COMMON,
-        "intermediate_size": 64,  # the experts' (MiniMax-M2 has no dense layers)
-        "num_local_experts": 8,
-        # The fields of the released config.json that vLLM reads.
-        "rotary_dim": 16,  # partial RoPE: half of each head, as MiniMax-M2 (64 of 128)
-        "scoring_func": "sigmoid",
-        "use_routing_bias": True,
-        "use_qk_norm": True,
-        "qk_norm_type": "per_layer",
-    }
-
-
-def _olmoe(variant: str | None) -> dict[str, Any]:
-    _no_variants("olmoe", variant)
-    cfg = {
-        **_GQA_COMMON,
-        "intermediate_size": 64,  # the experts' (OLMoE has no dense layers)
-        "num_experts": 8,
-        "norm_topk_prob": False,
-        "rms_norm_eps": 1e-5,  # vLLM hard-codes 1e-5 (as OLMoE)
-    }
-    del cfg["head_dim"]  # OLMoE derives it (hidden / heads = 32)
-    return cfg
-
-
-def _qwen2_moe(variant: str | None) -> dict[str, Any]:
-    _no_variants("qwen2_moe", variant)
-    cfg = {
-        **_GQA_COMMON,
-        "intermediate_size": 256,  # mlp_only layers (none)
-        "moe_intermediate_size": 64,
-        "shared_expert_intermediate_size": 128,
-        "num_experts": 8,
-        "norm_topk_prob": False,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "qkv_bias": True,
-        "use_sliding_window": False,
-    }
-    del cfg["head_dim"]  # Qwen2-MoE derives it (hidden / heads = 32)
-    return cfg
-
-
-def _no_variants(arch: str, variant: str | None) -> None:
-    if variant is not None:
-        raise ValueError(f"{arch} has no variants (got {variant!r})")
-
-
-TINY_ARCHS: dict[str, TinySpec] = {}
-
-
-def register_tiny_arch(spec: TinySpec) -> None:
+def register_tiny_arch(recipe: TinyRecipe) -> None:
     """Add (or replace) an architecture in the registry."""
-    TINY_ARCHS[spec.arch] = spec
+    TINY_ARCHS[recipe.arch] = recipe
 
 
-register_tiny_arch(
-    TinySpec("deepseek_v2", "DeepseekV2Config", "DeepseekV2ForCausalLM", _deepseek_v2)
-)
-register_tiny_arch(
-    TinySpec(
-        "deepseek_v3",
-        "DeepseekV3Config",
-        "DeepseekV3ForCausalLM",
-        _deepseek_v3,
-        extra_buffers=("e_score_correction_bias",),
-        bench=_deepseek_v3_bench,
-    )
-)
-register_tiny_arch(
-    TinySpec(
-        "qwen3_moe",
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        _qwen3_moe,
-        variants=("no_norm_topk", "dense_layers"),
-        bench=_qwen3_moe_bench,
-    )
-)
-register_tiny_arch(
-    TinySpec("qwen3_5_moe_text", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _qwen3_5_moe_text)
-)
-register_tiny_arch(
-    TinySpec(
-        "deepseek_v32",
-        "DeepseekV32Config",
-        "DeepseekV32ForCausalLM",
-        _deepseek_v32,
-        extra_buffers=("e_score_correction_bias",),
-    )
-)
-register_tiny_arch(TinySpec("mixtral", "MixtralConfig", "MixtralForCausalLM", _mixtral))
-register_tiny_arch(
-    TinySpec(
-        "glm4_moe",
-        "Glm4MoeConfig",
-        "Glm4MoeForCausalLM",
-        _glm4_moe,
-        extra_buffers=("e_score_correction_bias",),
-    )
-)
-register_tiny_arch(
-    TinySpec(
-        "ernie4_5_moe",
-        "Ernie4_5_MoeConfig",
-        "Ernie4_5_MoeForCausalLM",
-        _ernie4_5_moe,
-        extra_buffers=("e_score_correction_bias",),  # a parameter of moe_statics
-    )
-)
-register_tiny_arch(TinySpec("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", _qwen3_next))
-register_tiny_arch(
-    TinySpec(
-        "gpt_oss",
-        "GptOssConfig",
-        "GptOssForCausalLM",
-        _gpt_oss,
-        transposed=("experts.gate_up_proj", "experts.down_proj"),
-    )
-)
-register_tiny_arch(
-    TinySpec(
-        "minimax_m2",
-        "MiniMaxM2Config",
-        "MiniMaxM2ForCausalLM",
-        _minimax_m2,
-        extra_buffers=("e_score_correction_bias",),
-    )
-)
-register_tiny_arch(TinySpec("olmoe", "OlmoeConfig", "OlmoeForCausalLM", _olmoe))
-register_tiny_arch(TinySpec("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", _qwen2_moe))
+for _recipe in TINY_RECIPES:
+    register_tiny_arch(_recipe)
 
 
-def _spec(arch: str) -> TinySpec:
+def _spec(arch: str) -> TinyRecipe:
     try:
         return TINY_ARCHS[arch]
     except KeyError:
@@ -563,7 +102,7 @@ def tiny_variants(arch: str) -> tuple[str | None, ...]:
     return (None, *_spec(arch).variants)
 
 
-def _check_size(arch: str, size: str) -> TinySpec:
+def _check_size(arch: str, size: str) -> TinyRecipe:
     spec = _spec(arch)
     if size not in TINY_SIZES:
         raise ValueError(f"unknown checkpoint size {size!r}; known: {', '.join(TINY_SIZES)}")
@@ -575,12 +114,8 @@ def _check_size(arch: str, size: str) -> TinySpec:
 
 def tiny_config(arch: str, variant: str | None = None, size: str = "tiny") -> dict[str, Any]:
     """The transformers config kwargs for (arch, variant, size), vocabulary ids included."""
-    spec = _check_size(arch, size)
-    cfg = spec.build(variant)
-    if size == "bench":
-        assert spec.bench is not None
-        cfg = {**cfg, **spec.bench(variant)}
-    vocab = _tokenizer_vocab_size()
+    cfg = _check_size(arch, size).config(variant, size)
+    vocab = tokenizer_vocab_size()
     return {
         **cfg,
         "vocab_size": vocab,
@@ -599,145 +134,6 @@ def checkpoint_name(
     """
     name = f"{arch}{'-' + variant if variant else ''}-s{seed}"
     return name if size == "tiny" else f"{name}-{size}"
-
-
-# ------------------------------------------------------------------------- tokenizer
-
-_SUBJECTS = (
-    "the cat",
-    "a small robot",
-    "my neighbour",
-    "the old river",
-    "every student",
-    "the attention layer",
-    "an expert network",
-    "the tiny model",
-    "our team",
-    "the weather",
-    "a quiet city",
-    "the yellow train",
-    "this program",
-    "the compiler",
-)
-_VERBS = (
-    "runs",
-    "watches",
-    "computes",
-    "sends",
-    "receives",
-    "builds",
-    "reads",
-    "writes",
-    "jumps over",
-    "talks to",
-    "waits for",
-    "routes",
-    "predicts",
-    "remembers",
-)
-_OBJECTS = (
-    "the moon",
-    "a long message",
-    "seven tokens",
-    "the blue house",
-    "an open door",
-    "the next word",
-    "many experts",
-    "a warm cup of tea",
-    "the hidden state",
-    "the last train home",
-    "a list of numbers",
-    "the shared memory",
-    "green apples",
-)
-_ENDINGS = (
-    ".",
-    " today.",
-    " every morning.",
-    " in the evening.",
-    " again and again.",
-    " without any doubt.",
-    " before the rain.",
-    " on the CPU.",
-    " as fast as it can.",
-)
-_EXTRA = """
-Once upon a time there was a little village near the mountains. The people there liked
-stories, music and long walks. In the morning the baker opened the shop and sold fresh
-bread; in the afternoon children played in the park; at night everyone looked at stars.
-Question: What is the capital of France? Answer: The capital of France is Paris.
-Question: How many legs does a spider have? Answer: A spider has eight legs.
-The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
-def add(a, b):
-    return a + b
-for i in range(10):
-    print(i * i)
-import torch; x = torch.zeros(4, 8); y = x.sum(dim=-1)
-{"name": "afd", "version": "0.1.0", "layers": [0, 1, 2], "experts": 8}
-1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 32 64 128 256 512 1024 2048 4096
-Monday Tuesday Wednesday Thursday Friday Saturday Sunday
-January February March April May June July August September October November December
-red orange yellow green blue indigo violet black white grey brown pink purple
-Hello, world! How are you? I am fine, thank you. Good morning. Good night.
-Mixture of experts models route each token to a few experts; attention layers keep the
-key value cache; the feed forward network holds most of the parameters.
-"""
-
-
-@lru_cache(maxsize=1)
-def _corpus() -> tuple[str, ...]:
-    lines = []
-    for i, s in enumerate(_SUBJECTS):
-        for j, v in enumerate(_VERBS):
-            o = _OBJECTS[(i * 5 + j * 3) % len(_OBJECTS)]
-            e = _ENDINGS[(i + 2 * j) % len(_ENDINGS)]
-            lines.append(f"{s[0].upper()}{s[1:]} {v} {o}{e}")
-    lines.extend(line for line in _EXTRA.strip().splitlines() if line)
-    return tuple(lines)
-
-
-@lru_cache(maxsize=1)
-def _tokenizer_json() -> str:
-    """Train the byte-level BPE tokenizer (deterministic) and return its JSON."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE,
-        min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(list(_corpus()), trainer=trainer)
-    return str(tok.to_str())
-
-
-@lru_cache(maxsize=1)
-def _tokenizer_vocab_size() -> int:
-    data = json.loads(_tokenizer_json())
-    ids = set(data["model"]["vocab"].values()) | {t["id"] for t in data["added_tokens"]}
-    assert ids == set(range(len(ids))), "tokenizer ids must be contiguous"
-    return len(ids)
-
-
-def _save_tokenizer(out: Path, model_max_length: int = 512) -> None:
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        model_max_length=model_max_length,
-        clean_up_tokenization_spaces=False,
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(out))
 
 
 # --------------------------------------------------------------------------- weights
@@ -889,7 +285,7 @@ def generate_tiny_checkpoint(
                 b.data = keep_fp32[name]
         model.save_pretrained(str(tmp))
         _pin_model_type(tmp / "config.json", arch)
-        _save_tokenizer(tmp, model_max_length=cfg_kwargs["max_position_embeddings"])
+        save_tokenizer(tmp, model_max_length=cfg_kwargs["max_position_embeddings"])
 
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         stamp = {**want, "files": files}
