@@ -49,7 +49,7 @@ from afd_processes import (
 )
 
 from afd.launch.readiness import NATIVE
-from afd.reference import FIXED_PROMPTS
+from afd.tools.reference import FIXED_PROMPTS
 
 pytestmark = [
     pytest.mark.e2e,
@@ -257,7 +257,7 @@ def test_ray_1a1f_parity_then_sigterm_leaves_nothing(
     native_tokens: list[list[int]],
     tmp_path: Path,
 ) -> None:
-    from afd.demo import complete_each
+    from afd.tools.client import complete_each
 
     model = ray_model
     launcher, url, startup_s = _launch_ready(ray_cluster, _spec(tmp_path, model, 1), tmp_path)
@@ -288,7 +288,7 @@ def test_ray_2a1f_parity_then_killed_ffn_actor_stops_the_rest(
     native_tokens: list[list[int]],
     tmp_path: Path,
 ) -> None:
-    from afd.demo import complete_each
+    from afd.tools.client import complete_each
 
     model = ray_model
     launcher, url, startup_s = _launch_ready(ray_cluster, _spec(tmp_path, model, 2), tmp_path)
@@ -327,7 +327,7 @@ def test_ray_attention_tp2_ffn_ep2_parity_then_sigterm_leaves_nothing(
 ) -> None:
     from afd_references import singles
 
-    from afd.demo import complete_each
+    from afd.tools.client import complete_each
 
     model = ray_model
     # MLA under TP gives other tokens than TP=1 natively (VLLM_CPU_FACTS.md): native TP=2.

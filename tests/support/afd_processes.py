@@ -347,24 +347,10 @@ class Server(RoleProcess):
 
     def complete(self, prompt: str, max_tokens: int = 32) -> list[int]:
         """Greedy completion of one prompt; the generated token ids."""
-        import urllib.request
+        from afd.tools.client import complete
 
-        body = {
-            "model": self.served_model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            choice = json.load(resp)["choices"][0]
-        return list(choice["token_ids"])
+        url = f"http://127.0.0.1:{self.port}"
+        return complete(url, prompt, max_tokens, model=self.served_model, timeout=300).token_ids
 
     @property
     def served_model(self) -> str:

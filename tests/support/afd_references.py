@@ -207,8 +207,8 @@ def _run_served(
 ) -> list[list[list[int]]]:
     import io
 
-    from afd.demo import complete_each
     from afd.launch import Deployment, DeploymentSpec
+    from afd.tools.client import complete_each
 
     if any(len(g) != 1 for g in groups):
         raise ValueError("a served native reference answers one prompt per group (singles)")
