@@ -14,7 +14,7 @@ import pytest
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny seeded checkpoints, generated once per session (cached across runs when
     AFD_CACHE_DIR is set, as the nox sessions do)."""
-    from afd.models.tiny import generate_tiny_checkpoint
+    from afd.tools.models.tiny import generate_tiny_checkpoint
 
     cache = os.environ.get("AFD_CACHE_DIR")
     root = Path(cache) / "tiny" if cache else tmp_path_factory.mktemp("tiny")
@@ -28,7 +28,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def tiny_qwen_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str | None, Path]:
     """Tiny seeded Qwen3-MoE checkpoints by variant (None = default, ``no_norm_topk``,
     ``dense_layers``), plus ``"qwen3_5_moe_text"`` (the Qwen3.5/3.6-MoE text model)."""
-    from afd.models.tiny import checkpoint_name, generate_tiny_checkpoint, tiny_variants
+    from afd.tools.models.tiny import checkpoint_name, generate_tiny_checkpoint, tiny_variants
 
     cache = os.environ.get("AFD_CACHE_DIR")
     root = Path(cache) / "tiny" if cache else tmp_path_factory.mktemp("tiny-qwen")

@@ -7,7 +7,8 @@ from native vLLM at TP=1 and TP=2 and from two AFD layouts (Attention TP2 + FFN 
 the gate on Attention; Attention TP1 + FFN EP2 with the gate on FFN). Writes
 OUT_DIR/result.json with every token list and, per pair, the prompts whose tokens differ
 and the first differing position; prints the summary. About 8 minutes on a 2-core host.
-Results and their reading: docs/architecture.md ("bfloat16 under parallel layouts").
+Results: docs/bench/2026-12-02-bf16-layouts.md; what they decided: docs/architecture.md
+("bfloat16 under parallel layouts").
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def native(model: Path, out: Path, prompts: list[str], tp: int) -> list[list[int
 
 
 def afd(model: Path, out: Path, prompts: list[str], name: str) -> list[list[int]]:
-    from afd.demo import complete_each
     from afd.launch import Deployment, DeploymentSpec
+    from afd.tools.client import complete_each
 
     spec = DeploymentSpec(
         model=str(model),
@@ -75,7 +76,7 @@ def afd(model: Path, out: Path, prompts: list[str], name: str) -> list[list[int]
 
 
 def main() -> int:
-    from afd.reference import FIXED_PROMPTS
+    from afd.tools.reference import FIXED_PROMPTS
 
     model, out = Path(sys.argv[1]), Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)

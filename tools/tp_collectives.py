@@ -5,7 +5,8 @@
 Per size T, the median time of a broadcast of [T, HIDDEN] bf16 from rank 0 (afd's
 TensorParallelExchange: TP worker 0 exchanges and broadcasts the answer) and of an
 all-gather of [T/2, HIDDEN] per rank (the token-sharding alternative).
-docs/architecture.md ("Broadcast or token sharding") has the results.
+docs/bench/2026-12-02-tp-broadcast-vs-sharding.md has the results; docs/architecture.md
+("Broadcast or token sharding") what they decided.
 """
 
 from __future__ import annotations

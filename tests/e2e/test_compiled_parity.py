@@ -36,7 +36,7 @@ import pytest
 from afd_processes import afd_settings, assert_same_tokens, run_offline_afd
 from afd_references import COMPILED, COMPILED_BOUNDARIES, batch, singles
 
-from afd.reference import FIXED_PROMPTS
+from afd.tools.reference import FIXED_PROMPTS
 
 pytestmark = [
     pytest.mark.e2e,
@@ -68,8 +68,8 @@ def test_compiled_served_tokens_equal_native_compiled(
     gate_on_attention: bool,
     num_attention: int,
 ) -> None:
-    from afd.demo import complete_each
     from afd.launch import Deployment, DeploymentSpec
+    from afd.tools.client import complete_each
     from afd_moe_runners.exchange_op import COMPILED_LOG
 
     model = tiny_qwen_models[None] if arch == "qwen3_moe" else tiny_models[arch]

@@ -25,7 +25,7 @@ from afd_processes import (
     run_served_afd,
 )
 
-from afd.reference import FIXED_PROMPTS
+from afd.tools.reference import FIXED_PROMPTS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 

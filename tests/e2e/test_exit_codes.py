@@ -14,7 +14,6 @@ the per-layer exchange histogram counts every layer of every step of a completio
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -103,7 +102,7 @@ def test_ffn_killed_while_streaming_fails_the_client_and_the_attention_server_ex
         stream.start()
         assert stream.first.wait(60) and stream.chunks > 0, stream.error
         killed_at = time.monotonic()
-        os.killpg(ffn.proc.pid, signal.SIGKILL)
+        ffn.signal(signal.SIGKILL)
         stream.join(timeout=30)
         assert stream.ended_at is not None, "the client's stream did not end"
         assert stream.ended_at - killed_at < 10.0
@@ -169,7 +168,7 @@ def test_attention_killed_makes_the_ffn_server_exit_1(
         assert delta(ffn_before, ffn_after, "afd_ffn_received_bytes_total") == sent
         assert delta(ffn_before, ffn_after, "afd_ffn_tokens_served_total") >= max_tokens * layers
 
-        os.killpg(attention.proc.pid, signal.SIGKILL)
+        attention.signal(signal.SIGKILL)
         code = ffn.wait_exit(30)
         assert code == 1, (code, ffn.output[-4000:])
         assert "AFD FFN server stopped: peer gone" in ffn.output, ffn.output[-4000:]

@@ -27,7 +27,7 @@ ATTENTION_AT_RENDEZVOUS = "connecting to the FFN role"
 @pytest.fixture(scope="module")
 def other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """deepseek_v3 with another seed: same config, names, shapes and file sizes."""
-    from afd.models.tiny import generate_tiny_checkpoint
+    from afd.tools.models.tiny import generate_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("other-weights")
     return generate_tiny_checkpoint("deepseek_v3", root / "deepseek_v3-s1", seed=1)

@@ -30,7 +30,7 @@ from afd_processes import (
     run_served_afd,
 )
 
-from afd.reference import FIXED_PROMPTS
+from afd.tools.reference import FIXED_PROMPTS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
@@ -54,7 +54,7 @@ PROMPTS = list(FIXED_PROMPTS)
 def family_models(tmp_path_factory: pytest.TempPathFactory) -> Any:
     import os
 
-    from afd.models.tiny import checkpoint_name, generate_tiny_checkpoint
+    from afd.tools.models.tiny import checkpoint_name, generate_tiny_checkpoint
 
     cache = os.environ.get("AFD_CACHE_DIR")
     root = Path(cache) / "tiny" if cache else tmp_path_factory.mktemp("tiny-families")

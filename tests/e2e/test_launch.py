@@ -32,7 +32,8 @@ from typing import Any
 import pytest
 from afd_processes import Launcher, assert_role_inventories, assert_same_tokens, group_pgid_members
 
-from afd.reference import FIXED_PROMPTS
+from afd.tools.client import completion_response
+from afd.tools.reference import FIXED_PROMPTS
 
 pytestmark = [
     pytest.mark.e2e,
@@ -46,7 +47,7 @@ STARTUP_S = 420.0
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from afd.models.tiny import generate_tiny_checkpoint
+    from afd.tools.models.tiny import generate_tiny_checkpoint
 
     return Path(generate_tiny_checkpoint("deepseek_v2", tmp_path_factory.mktemp("ckpt") / "dsv2"))
 
@@ -54,23 +55,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def complete(
     url: str, prompt: str, max_tokens: int, timeout: float, *, return_token_ids: bool = False
 ) -> dict:
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
-        model = json.loads(r.read())["data"][0]["id"]
-    payload = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": return_token_ids,
-    }
-    req = urllib.request.Request(
-        f"{url}/v1/completions",
-        data=json.dumps(payload).encode(),
-        headers={"Content-Type": "application/json"},
+    return completion_response(
+        url, prompt, max_tokens, timeout=timeout, return_token_ids=return_token_ids
     )
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return dict(json.loads(r.read()))
 
 
 def metric_values(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -155,7 +142,7 @@ def test_2a1f_serves_and_stops_on_sigterm(
         launcher.proc.send_signal(signal.SIGTERM)
         rc = launcher.proc.wait(timeout=30)
         stopped_s = time.monotonic() - t0
-        launcher._reader.join(5)
+        launcher.join_output(5)
         assert rc == 0, launcher.output[-3000:]
         assert "stopped; no process left" in launcher.output
         out = launcher.output.splitlines()
@@ -193,7 +180,7 @@ def test_role_failing_at_startup_fails_the_launch(tiny_model: Path, tmp_path: Pa
     try:
         rc = launcher.proc.wait(timeout=60)
         elapsed = time.monotonic() - t0
-        launcher._reader.join(5)
+        launcher.join_output(5)
         out = launcher.output
         assert rc != 0, out[-3000:]
         assert elapsed < 60

@@ -28,7 +28,7 @@ import pytest
 from afd_processes import afd_settings, assert_same_tokens, run_offline_afd
 from afd_references import batch
 
-from afd.reference import FIXED_PROMPTS
+from afd.tools.reference import FIXED_PROMPTS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,8 @@ import pytest
 from afd_processes import Launcher, assert_same_tokens, metric_samples
 from afd_references import singles
 
-from afd.reference import FIXED_PROMPTS
+from afd.tools.client import complete
+from afd.tools.reference import FIXED_PROMPTS
 
 pytestmark = [
     pytest.mark.e2e,
@@ -53,19 +53,7 @@ MAX_TOKENS = 16
 
 
 def _complete(url: str, prompt: str) -> list[int]:
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
-        model = json.loads(r.read())["data"][0]["id"]
-    payload = {
-        "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-        "ignore_eos": True, "return_token_ids": True,
-    }  # fmt: skip
-    req = urllib.request.Request(
-        f"{url}/v1/completions",
-        data=json.dumps(payload).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return list(json.loads(r.read())["choices"][0]["token_ids"])
+    return complete(url, prompt, MAX_TOKENS, timeout=300).token_ids
 
 
 MATRIX = pytest.mark.matrix

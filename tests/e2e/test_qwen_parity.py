@@ -35,7 +35,7 @@ from afd_processes import (
 )
 from afd_references import batch
 
-from afd.reference import FIXED_PROMPTS
+from afd.tools.reference import FIXED_PROMPTS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 

@@ -22,7 +22,6 @@ are ``extended``, out of CI for its time budget).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -41,13 +40,16 @@ from typing import Any
 import pytest
 from afd_processes import (
     Launcher,
+    RoleProcess,
     assert_same_tokens,
     child_environ,
     free_port,
     group_pgid_members,
+    stop_roles,
 )
 
-from afd.reference import FIXED_PROMPTS
+from afd.launch.readiness import NATIVE
+from afd.tools.reference import FIXED_PROMPTS
 
 pytestmark = [
     pytest.mark.e2e,
@@ -96,25 +98,18 @@ class RayCluster:
             "--include-dashboard=false", "--disable-usage-stats",
             "--temp-dir", str(self.temp_dir),
         ]  # fmt: skip
-        self.log = (self.temp_dir / "ray-start.log").open("w")
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**child_environ(), **self.env},
-            start_new_session=True,
-        )
+        # supervised like a role of afd launch: own process group, output in a log file
+        self.head = RoleProcess("ray", NATIVE, cmd, self.temp_dir, env=self.env)
         deadline = time.monotonic() + 120
         while "Ray runtime started" not in self.output():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            if self.head.returncode() is not None or time.monotonic() > deadline:
                 out = self.output()  # (stop() removes the folder)
                 self.stop()
                 raise AssertionError(f"ray start failed:\n{out[-4000:]}")
             time.sleep(0.5)
 
     def output(self) -> str:
-        return (self.temp_dir / "ray-start.log").read_text(errors="replace")
+        return self.head.output
 
     def run(self, code: str, timeout: float = 120) -> str:
         """Run ``code`` in a Python process connected to the cluster as a driver;
@@ -150,19 +145,9 @@ class RayCluster:
     def stop(self) -> list[int]:
         """SIGTERM the cluster (``ray start --block`` stops what it started), SIGKILL
         what is left after 30 s; the processes left after that."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(30)
-        deadline = time.monotonic() + 10
-        while group_pgid_members([self.proc.pid]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
-        left = group_pgid_members([self.proc.pid])
+        left = stop_roles([self.head], grace_s=30.0)["leftovers"]
         shutil.rmtree(self.temp_dir, ignore_errors=True)
-        return left
+        return [pid for pids in left.values() for pid in pids]
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +257,7 @@ def test_ray_1a1f_parity_then_sigterm_leaves_nothing(
     native_tokens: list[list[int]],
     tmp_path: Path,
 ) -> None:
-    from afd.demo import complete_each
+    from afd.tools.client import complete_each
 
     model = ray_model
     launcher, url, startup_s = _launch_ready(ray_cluster, _spec(tmp_path, model, 1), tmp_path)
@@ -286,7 +271,7 @@ def test_ray_1a1f_parity_then_sigterm_leaves_nothing(
         launcher.proc.send_signal(signal.SIGTERM)
         rc = launcher.proc.wait(timeout=60)
         stop_s = time.monotonic() - t0
-        launcher._reader.join(5)
+        launcher.join_output(5)
         out = launcher.output
         assert rc == 0, out[-3000:]
         assert "stopped; no process left" in out
@@ -303,7 +288,7 @@ def test_ray_2a1f_parity_then_killed_ffn_actor_stops_the_rest(
     native_tokens: list[list[int]],
     tmp_path: Path,
 ) -> None:
-    from afd.demo import complete_each
+    from afd.tools.client import complete_each
 
     model = ray_model
     launcher, url, startup_s = _launch_ready(ray_cluster, _spec(tmp_path, model, 2), tmp_path)
@@ -316,7 +301,7 @@ def test_ray_2a1f_parity_then_killed_ffn_actor_stops_the_rest(
         ray_cluster.run(f"ray.kill(ray.get_actor({name[1]!r}, namespace={NAMESPACE!r}))\n")
         rc = launcher.proc.wait(timeout=90)
         stop_s = time.monotonic() - t0
-        launcher._reader.join(5)
+        launcher.join_output(5)
         out = launcher.output
         died = re.search(
             r"^\[afd\] ffn0 lost its Ray actor on .*; stopping the deployment$", out, re.M
@@ -342,7 +327,7 @@ def test_ray_attention_tp2_ffn_ep2_parity_then_sigterm_leaves_nothing(
 ) -> None:
     from afd_references import singles
 
-    from afd.demo import complete_each
+    from afd.tools.client import complete_each
 
     model = ray_model
     # MLA under TP gives other tokens than TP=1 natively (VLLM_CPU_FACTS.md): native TP=2.
@@ -379,7 +364,7 @@ def test_ray_attention_tp2_ffn_ep2_parity_then_sigterm_leaves_nothing(
         assert_same_tokens(got, native, PROMPTS)
         launcher.proc.send_signal(signal.SIGTERM)
         rc = launcher.proc.wait(timeout=60)
-        launcher._reader.join(5)
+        launcher.join_output(5)
         assert rc == 0, launcher.output[-3000:]
         assert re.search(r"ray: 3 actor\(s\) and the placement group removed", launcher.output)
     finally:

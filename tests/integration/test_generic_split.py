@@ -29,7 +29,7 @@ def _tensor_names(model_dir: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def checks(tiny_models: dict[str, Path], tiny_qwen_models: dict[str | None, Path]) -> Any:
-    from afd.models.check import check_model
+    from afd.tools.models.check import check_model
 
     cache: dict[str, Any] = {}
 
@@ -207,8 +207,8 @@ def test_sparse_attention_is_refused_on_cpu_as_native_vllm_refuses_it(
     """DeepSeek V3.2's sparse attention does not run on vLLM's CPU build (native vLLM
     stops with this error too); the plan cannot be read here, and says why. Fails when
     vLLM CPU gains sparse attention: then V3.2 parity belongs in the e2e suites."""
-    from afd.models.check import check_model
-    from afd.models.tiny import checkpoint_name, generate_tiny_checkpoint
+    from afd.tools.models.check import check_model
+    from afd.tools.models.tiny import checkpoint_name, generate_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("v32")
     model = generate_tiny_checkpoint("deepseek_v32", root / checkpoint_name("deepseek_v32"))

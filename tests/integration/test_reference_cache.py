@@ -38,7 +38,7 @@ class Recorder:
 def two_seeds(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """deepseek_v3 with seeds 0 and 1: same config, names and shapes, other weights
     (generated here side by side, so they are generated alike)."""
-    from afd.models.tiny import generate_tiny_checkpoint
+    from afd.tools.models.tiny import generate_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("ref-seeds")
     return (

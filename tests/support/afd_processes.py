@@ -1,11 +1,16 @@
-"""Helpers for end-to-end tests: start an FFN server, run engines in subprocesses.
+"""Helpers for end-to-end tests: role processes, engines in subprocesses, shared flows.
 
-(Kept beside the tests; the deployment launcher in afd.launch is tested separately.)
+Every process a test starts is supervised by afd launch's own stack
+(:mod:`afd.launch.processes`: process group, output pump and log file, readiness,
+SIGTERM-then-SIGKILL teardown with a leftover check); this module only builds the
+commands a test needs (raw ``additional_config`` as a user passes it to ``afd serve``,
+mismatched roles for the admission drills) and adds waiting and text output on top.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -18,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from afd.ffn_server import READY_MARKER
+from afd.launch.processes import RoleProcess as LaunchedRole
+from afd.launch.processes import stop_groups
+from afd.launch.readiness import NATIVE
 from afd_core.procfs import group_members
+
+_SERIAL = itertools.count()
+"""Numbers the log files of the role processes a test starts (names repeat)."""
 
 ENGINE_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.1"]
 
@@ -115,38 +126,51 @@ def role_devices(afd: dict[str, Any] | None, name: str) -> str | None:
     return assign_devices(*ranks, visible).get(name)
 
 
-class RoleProcess:
-    """A command in its own process group with its output captured line by line."""
+class RoleProcess(LaunchedRole):
+    """One role process, supervised as ``afd launch`` supervises its roles
+    (:class:`afd.launch.processes.RoleProcess`: its own process group, an output pump into
+    a log file, readiness from its health endpoint, group signals), started at once; what
+    tests add on top: the whole output as text, waiting and killing."""
+
+    _lock = threading.Lock()
 
     def __init__(
         self,
+        name: str,
+        role: str,
         cmd: list[str],
         tmp: Path,
         devices: str | None = None,
         env: dict[str, str] | None = None,
+        *,
+        http_url: str | None = None,
     ) -> None:
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**role_env(tmp, devices), **(env or {})}, start_new_session=True,
-        )  # fmt: skip
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
+        log = tmp / "logs" / f"{name}-{next(_SERIAL)}.log"
+        full = {**role_env(tmp, devices), **(env or {})}
+        super().__init__(name, role, 0, cmd, full, log, http_url=http_url)
+        self.start(None, self._lock)
 
     @property
     def output(self) -> str:
-        return "\n".join(self.lines)
+        """Everything the process wrote so far (its log file, without the command line)."""
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+        return text.split("\n", 1)[1] if text.startswith("# ") else text
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        self._reader.join(timeout=5)
+        """SIGKILL to the whole process group (a no-op once it is gone); reap it."""
+        if self.group_alive() or self.returncode() is None:
+            self.signal(signal.SIGKILL)
+        self.finish(10.0)
+
+    def wait_exit(self, timeout: float) -> int | None:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
 
 class FFNServer(RoleProcess):
@@ -179,25 +203,23 @@ class FFNServer(RoleProcess):
             json.dumps({"afd": afd}),
             *extra,
         ]
-        super().__init__(cmd, tmp, role_devices(afd, f"ffn{int(afd.get('rank', 0))}"), env)
+        name = f"ffn{int(afd.get('rank', 0))}"
+        super().__init__(name, "ffn", cmd, tmp, role_devices(afd, name), env)
 
     def wait_ready(self, timeout: float = 240) -> None:
+        """Until the FFN server loaded its model and listens for its attention peers (it
+        logs READY_MARKER; its ``/health`` turns 200 only once they connected)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if any(READY_MARKER in ln for ln in self.lines):
+            if any(READY_MARKER in ln for ln in self.last_lines(200)):
                 return
-            if self.proc.poll() is not None:
+            if self.returncode() is not None:
+                self.join_output(2.0)
                 raise AssertionError(
-                    f"FFN server exited {self.proc.returncode}:\n{self.output[-4000:]}"
+                    f"FFN server exited {self.returncode()}:\n{self.output[-4000:]}"
                 )
             time.sleep(0.2)
         raise AssertionError(f"FFN server not ready in {timeout} s:\n{self.output[-4000:]}")
-
-    def wait_exit(self, timeout: float) -> int | None:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
 
 
 def offline_greedy(
@@ -223,22 +245,45 @@ def offline_greedy(
     if llm_kwargs:
         cmd += ["--llm-kwargs", json.dumps(llm_kwargs)]
     afd = (llm_kwargs or {}).get("additional_config", {}).get("afd")
-    env = role_env(tmp, role_devices(afd, "attn"))
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    role = NATIVE if afd is None else "attention"
+    code, log = run_to_exit(cmd, tmp, role, role_devices(afd, "attn"), timeout=timeout)
+    assert code == 0, f"exit code {code}:\n{log[-9000:]}"
     result: dict[str, Any] = json.loads(out.read_text())
-    result["log"] = proc.stdout + proc.stderr
+    result["log"] = log
     return result
+
+
+def run_to_exit(
+    cmd: list[str],
+    tmp: Path,
+    role: str,
+    devices: str | None = None,
+    env: dict[str, str] | None = None,
+    *,
+    timeout: float,
+) -> tuple[int | None, str]:
+    """Run an engine process that ends by itself (``python -m afd.reference``) as a role
+    process (:class:`RoleProcess`); its exit code (None: still running after ``timeout``,
+    then killed with its process group) and its output."""
+    engine = RoleProcess("engine", role, cmd, tmp, devices, env)
+    try:
+        code = engine.wait_exit(timeout)
+        engine.join_output(5.0)
+        return code, engine.output
+    finally:
+        engine.kill()
 
 
 class Server(RoleProcess):
     """An OpenAI-compatible vLLM API server (native, or ``afd serve --role attention``)."""
 
-    def __init__(self, cmd: list[str], port: int, tmp: Path, devices: str | None = None) -> None:
+    def __init__(
+        self, cmd: list[str], port: int, tmp: Path, devices: str | None = None, *, role: str
+    ) -> None:
         self.port = port
-        super().__init__(cmd, tmp, devices)
+        url = f"http://127.0.0.1:{port}"
+        super().__init__("attn" if role == "attention" else role, role, cmd, tmp, devices,
+                         http_url=url)  # fmt: skip
 
     @classmethod
     def native(cls, model: Path, tmp: Path, *extra: str) -> Server:
@@ -260,7 +305,7 @@ class Server(RoleProcess):
             str(port),
             *extra,
         ]
-        return cls(cmd, port, tmp, role_devices(None, "attn"))
+        return cls(cmd, port, tmp, role_devices(None, "attn"), role=NATIVE)
 
     @classmethod
     def afd_attention(cls, model: Path, afd: dict[str, Any], tmp: Path, *extra: str) -> Server:
@@ -286,44 +331,26 @@ class Server(RoleProcess):
             json.dumps({"afd": afd}),
             *extra,
         ]
-        return cls(cmd, port, tmp, role_devices(afd, "attn"))
+        return cls(cmd, port, tmp, role_devices(afd, "attn"), role="attention")
 
     def wait_ready(self, timeout: float = 400) -> None:
-        import urllib.request
-
+        """Until its ``/health`` answers 200 (afd launch's readiness of the role)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"server exited {self.proc.returncode}:\n{self.output[-30000:]}"
-                )
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(1)
+            if self.returncode() is not None:
+                self.join_output(2.0)
+                raise AssertionError(f"server exited {self.returncode()}:\n{self.output[-30000:]}")
+            if self.check_ready():
+                return
+            time.sleep(1)
         raise AssertionError(f"server not ready in {timeout} s:\n{self.output[-5000:]}")
 
     def complete(self, prompt: str, max_tokens: int = 32) -> list[int]:
         """Greedy completion of one prompt; the generated token ids."""
-        import urllib.request
+        from afd.tools.client import complete
 
-        body = {
-            "model": self.served_model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            choice = json.load(resp)["choices"][0]
-        return list(choice["token_ids"])
+        url = f"http://127.0.0.1:{self.port}"
+        return complete(url, prompt, max_tokens, model=self.served_model, timeout=300).token_ids
 
     @property
     def served_model(self) -> str:
@@ -403,21 +430,13 @@ class HealthWatch(threading.Thread):
         return out
 
 
-def terminate_all(procs: list[subprocess.Popen[str]], timeout: float = 10.0) -> dict[int, Any]:
-    """SIGTERM every process group at once; return {pid: exit code or None}, plus leftovers."""
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    codes: dict[int, Any] = {}
-    for p in procs:
-        try:
-            codes[p.pid] = p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            codes[p.pid] = None
-    while time.monotonic() < deadline and any(group_members(p.pid) for p in procs):
-        time.sleep(0.1)
-    codes["leftovers"] = {p.pid: group_members(p.pid) for p in procs if group_members(p.pid)}
+def stop_roles(roles: list[RoleProcess], grace_s: float = 10.0) -> dict[str, Any]:
+    """Stop the roles as ``afd launch`` stops a deployment (SIGTERM to every process
+    group at once, SIGKILL after ``grace_s``: :func:`afd.launch.processes.stop_groups`);
+    return {role name: exit code}, plus ``"leftovers"``: the processes still alive."""
+    survivors = stop_groups(roles, grace_s, lambda _msg: None)
+    codes: dict[str, Any] = {r.name: r.returncode() for r in roles}
+    codes["leftovers"] = survivors
     return codes
 
 
@@ -506,11 +525,11 @@ def run_served_afd(
         if idle_s or between:
             time.sleep(idle_s)
             for role in (ffn, attention):
-                assert role.proc.poll() is None, (
+                assert role.returncode() is None, (
                     f"a role exited while the deployment was idle:\n{role.output[-3000:]}"
                 )
             got += [attention.complete(p) for p in prompts[half:]]
-        codes = terminate_all([attention.proc, ffn.proc], timeout=10)
+        codes = stop_roles([attention, ffn], grace_s=10)
         assert codes.pop("leftovers") == {}, "processes survived SIGTERM"
         assert set(codes.values()) == {0}, (codes, attention.output[-2000:], ffn.output[-2000:])
     finally:
@@ -576,51 +595,33 @@ def assert_role_inventories(attention_log: str, ffn_log: str, *, gate_on_attenti
 # ---------------------------------------------------------------- afd launch
 
 
-class Launcher:
-    """``afd launch SPEC [ARGS]`` as a subprocess in its own process group, its output
-    collected line by line. ``env``: added to this process's environment."""
+class Launcher(RoleProcess):
+    """``afd launch SPEC [ARGS]`` (the command under test) as a subprocess in its own
+    process group, supervised like a role (:class:`RoleProcess`). ``env``: added to this
+    process's environment."""
 
     def __init__(
         self, spec: Path, tmp: Path, *args: str, env: dict[str, str] | None = None
     ) -> None:
         full = {**child_environ(), "TMPDIR": str(tmp), **(env or {})}
         full.setdefault("VLLM_CACHE_ROOT", str(Path(__file__).parents[2] / ".cache" / "vllm"))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "afd.cli", "launch", str(spec), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=full,
-            text=True,
-            start_new_session=True,
-        )
-        self.lines: list[str] = []
-        self._cv = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._cv:
-                self.lines.append(line)
-                self._cv.notify_all()
-        with self._cv:
-            self._cv.notify_all()
-
-    @property
-    def output(self) -> str:
-        with self._cv:
-            return "".join(self.lines)
+        cmd = [sys.executable, "-m", "afd.cli", "launch", str(spec), *args]
+        log = tmp / "logs" / f"launcher-{next(_SERIAL)}.log"
+        LaunchedRole.__init__(self, "launcher", NATIVE, 0, cmd, full, log)
+        self.start(None, self._lock)
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match[str] | None:
+        """The first match of ``pattern`` (multi-line) in the output, waiting until it
+        shows, the launcher exits, or ``timeout``."""
         deadline = time.monotonic() + timeout
-        with self._cv:
-            while True:
-                m = re.search(pattern, "".join(self.lines), re.M)
-                if m or self.proc.poll() is not None or time.monotonic() > deadline:
-                    return m
-                self._cv.wait(1.0)
+        while True:
+            exited = self.returncode() is not None
+            if exited:
+                self.join_output(5.0)
+            m = re.search(pattern, self.output, re.M)
+            if m or exited or time.monotonic() > deadline:
+                return m
+            time.sleep(0.5)
 
     def role_pgids(self) -> dict[str, int]:
         return {
@@ -628,11 +629,11 @@ class Launcher:
         }
 
     def kill_all(self) -> None:
-        for pgid in [*self.role_pgids().values(), self.proc.pid]:
+        assert self.pgid is not None
+        for pgid in [*self.role_pgids().values(), self.pgid]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            self.proc.wait(10)
+        self.finish(10.0)
 
 
 def group_pgid_members(pgids: list[int]) -> list[int]:

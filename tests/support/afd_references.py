@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -164,7 +163,9 @@ def _run_reference(
     """Token ids per prompt, per group; with ``record_routing`` the result dicts of
     ``python -m afd.reference`` (token ids and routing per group)."""
     from afd_failure_digest import last_exception_line
-    from afd_processes import role_devices, role_env
+    from afd_processes import role_devices, role_env, run_to_exit
+
+    from afd.launch.readiness import NATIVE
 
     groups_file, out = work / "groups.json", work / "out.json"
     groups_file.write_text(json.dumps([list(g) for g in groups]))
@@ -179,9 +180,9 @@ def _run_reference(
         cmd.append("--record-routing")
     if llm_kwargs:
         cmd += ["--llm-kwargs", json.dumps(llm_kwargs)]
-    env = role_env(work, role_devices(None, "attn"))
+    env: dict[str, str] = {}
     tp = int(llm_kwargs.get("tensor_parallel_size", 1))
-    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in role_env(work):
         # vLLM CPU's automatic binding refuses several TP workers on one NUMA node: one
         # CPU list per worker, as afd launch gives a tensor-parallel attention server.
         from afd.launch.cpus import share_cpus, split_cpus, usable_cpus
@@ -190,12 +191,10 @@ def _run_reference(
         env["VLLM_CPU_OMP_THREADS_BIND"] = (split_cpus(cpus, tp, 0) or share_cpus(cpus, tp, 0))[
             "attn"
         ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, timeout=600, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, (
-        f"native reference failed ({model.name}, exit {proc.returncode}): "
-        f"{last_exception_line(proc.stderr)}\n{proc.stdout[-2000:]}{proc.stderr[-5000:]}"
+    code, log = run_to_exit(cmd, work, NATIVE, role_devices(None, "attn"), env, timeout=600)
+    assert code == 0, (
+        f"native reference failed ({model.name}, exit {code}): "
+        f"{last_exception_line(log)}\n{log[-7000:]}"
     )
     results = json.loads(out.read_text())["groups"]
     if record_routing:
@@ -208,8 +207,8 @@ def _run_served(
 ) -> list[list[list[int]]]:
     import io
 
-    from afd.demo import complete_each
     from afd.launch import Deployment, DeploymentSpec
+    from afd.tools.client import complete_each
 
     if any(len(g) != 1 for g in groups):
         raise ValueError("a served native reference answers one prompt per group (singles)")

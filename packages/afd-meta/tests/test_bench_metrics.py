@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from afd.bench_metrics import delta, format_level, scrape
+from afd.tools.bench_metrics import delta, format_level, scrape
 
 
 class _Served:

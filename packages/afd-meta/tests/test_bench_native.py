@@ -10,8 +10,9 @@ from typing import Any, ClassVar
 
 import pytest
 
-import afd.bench as bench
-from afd.bench import (
+import afd.tools.bench as bench
+from afd.launch import Deployment, DeploymentSpec
+from afd.tools.bench import (
     _plan_runs,
     _ratios,
     add_bench_arguments,
@@ -20,8 +21,7 @@ from afd.bench import (
     parse_micro_batches,
     pick_native_reference,
 )
-from afd.demo import add_demo_arguments, demo_spec, native_spec
-from afd.launch import Deployment, DeploymentSpec
+from afd.tools.demo import add_demo_arguments, demo_spec, native_spec
 
 
 def _lv(tok_s: float, tpot: float = 1.0) -> dict[str, Any]:

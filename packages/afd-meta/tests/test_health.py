@@ -208,7 +208,7 @@ def test_a_busy_health_port_stops_the_ffn_server_with_one_line(tmp_path: Path) -
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed")
-    from afd.models.tiny import generate_tiny_checkpoint
+    from afd.tools.models.tiny import generate_tiny_checkpoint
 
     model = generate_tiny_checkpoint("deepseek_v2", tmp_path / "dsv2")
     with socket.socket() as busy:

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from afd.bench import format_table, percentile
-from afd.demo import compare_tokens
 from afd.launch import (
     CPU_BIND,
     Deployment,
@@ -32,6 +30,8 @@ from afd.launch import (
     role_env,
     spec_from_args,
 )
+from afd.tools.bench import format_table, percentile
+from afd.tools.demo import compare_tokens
 
 # ---------------------------------------------------------------- spec validation
 
@@ -506,7 +506,7 @@ def test_compare_tokens() -> None:
 def test_the_demo_fails_a_compiled_deployment_that_ran_eager(tmp_path: Path) -> None:
     """`afd demo` (install-smoke runs it in CI) asks for vLLM's compile mode: an Attention
     log without the exchange op's first-call line is a failure, not a pass."""
-    from afd.demo import compiled_problem
+    from afd.tools.demo import compiled_problem
     from afd_moe_runners.exchange_op import COMPILED_LOG
 
     compiled = DeploymentSpec(model="/m")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from afd import profile as afd_profile
+from afd.tools import profile as afd_profile
 from afd_core import profiling
 
 MS = 1_000_000

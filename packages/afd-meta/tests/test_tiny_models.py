@@ -1,4 +1,10 @@
-"""Tiny checkpoint generator (afd.models.tiny) and the native vLLM reference runner."""
+"""Tiny checkpoint generator (afd.tools.models.tiny) and the native vLLM reference runner.
+
+Over 400 lines on purpose: the module-scoped fixtures (``ckpts``, ``bench_ckpts``)
+generate every tiny and bench checkpoint once for all the checks here (determinism,
+invariants, each family's structure, bench sizes); split modules would generate them
+again each. The recipes themselves (data) are tested in the model packages
+(``packages/afd-models-*/tests/test_recipes.py``) and in ``test_tiny_recipes.py``."""
 
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-from afd.models.tiny import (
+from afd.tools.models.tiny import (
     GENERATOR_VERSION,
     STAMP_FILE,
     TINY_ARCHS,

@@ -11,7 +11,7 @@ from afd._version import __version__
 
 
 def _cmd_models_tiny(args: argparse.Namespace) -> int:
-    from afd.models.tiny import generate_tiny_checkpoint
+    from afd.tools.models.tiny import generate_tiny_checkpoint
 
     try:
         path = generate_tiny_checkpoint(
@@ -32,7 +32,7 @@ def _cmd_models_tiny(args: argparse.Namespace) -> int:
 def _cmd_models_check(args: argparse.Namespace) -> int:
     import json
 
-    from afd.models.check import main
+    from afd.tools.models.check import main
 
     try:
         overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
@@ -81,13 +81,13 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from afd.demo import run_demo
+    from afd.tools.demo import run_demo
 
     return run_demo(args)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from afd.bench import run_bench
+    from afd.tools.bench import run_bench
 
     return run_bench(args)
 
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="model utilities")
     msub = models.add_subparsers(dest="models_command", required=True)
     tiny = msub.add_parser("tiny", help="generate a tiny seeded checkpoint (nothing downloaded)")
-    from afd.models.tiny import TINY_ARCHS  # cheap: torch/transformers load on use
+    from afd.tools.models.tiny import TINY_ARCHS  # cheap: torch/transformers load on use
 
     tiny.add_argument("--arch", required=True, choices=list(TINY_ARCHS))
     tiny.add_argument("--out", required=True, help="output directory")
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     conn = sub.add_parser("connectors", help="list the installed AFD connectors")
     conn.set_defaults(func=_cmd_connectors)
 
-    from afd.profile import add_profile_arguments, run_profile
+    from afd.tools.profile import add_profile_arguments, run_profile
 
     prof = sub.add_parser(
         "profile",
@@ -156,9 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_arguments(prof)
     prof.set_defaults(func=run_profile)
 
-    from afd.bench import add_bench_arguments
-    from afd.demo import add_demo_arguments
     from afd.launch import add_launch_arguments
+    from afd.tools.bench import add_bench_arguments
+    from afd.tools.demo import add_demo_arguments
 
     launch = sub.add_parser(
         "launch",

@@ -1,4 +1,6 @@
-"""Role-aware AFD wrappers for DeepSeek V2/V3/V3.2 models in vLLM."""
+"""The DeepSeek family in afd: tiny checkpoint recipes (:mod:`afd_models_deepseek.recipes`)
+and real deployment shapes (:mod:`afd_models_deepseek.shapes`), as data. The role-aware
+classes are the generic path's (:mod:`afd_moe_runners.generic`)."""
 
 from afd_models_deepseek._version import __version__
 

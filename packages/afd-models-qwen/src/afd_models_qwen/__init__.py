@@ -1,4 +1,8 @@
-"""Role-aware AFD wrappers for Qwen3-MoE and Qwen3.5/3.6-MoE models in vLLM."""
+"""The Qwen MoE families in afd: the torchvision-free import seam of vLLM's ``qwen3_5``
+(:mod:`afd_models_qwen.qwen3_5_import`), tiny checkpoint recipes
+(:mod:`afd_models_qwen.recipes`) and real deployment shapes
+(:mod:`afd_models_qwen.shapes`), as data. The role-aware classes are the generic path's
+(:mod:`afd_moe_runners.generic`)."""
 
 from afd_models_qwen._version import __version__
 

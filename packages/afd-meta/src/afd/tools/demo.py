@@ -13,12 +13,9 @@ native vLLM token by token (both in vLLM's default compile mode, float32 by defa
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,14 +29,13 @@ from afd.launch import (
     add_cpu_arguments,
     forward_signals,
 )
+from afd.tools.client import complete_each
 
 __all__ = [
     "cache_dir",
     "compare_tokens",
-    "complete_each",
     "ensure_tiny_model",
     "run_demo",
-    "served_model",
 ]
 
 DEMO_ARCH = "deepseek_v2"
@@ -52,7 +48,7 @@ def cache_dir(explicit: str | None = None) -> Path:
 
 def ensure_tiny_model(cache: Path, arch: str = DEMO_ARCH, *, log: Any = print) -> Path:
     """The tiny ``arch`` checkpoint under ``cache`` (generated, seed 0, if missing)."""
-    from afd.models.tiny import generate_tiny_checkpoint
+    from afd.tools.models.tiny import generate_tiny_checkpoint
 
     out = cache / f"tiny-{arch}"
     t0 = time.monotonic()
@@ -63,59 +59,6 @@ def ensure_tiny_model(cache: Path, arch: str = DEMO_ARCH, *, log: Any = print) -
     else:
         log(f"using the cached tiny {arch} checkpoint in {path}")
     return Path(path)
-
-
-# --------------------------------------------------------------------------- client
-
-
-def _post_json(url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-    req = urllib.request.Request(
-        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return dict(json.loads(r.read()))
-    except urllib.error.HTTPError as exc:
-        body = exc.read().decode(errors="replace")[:2000]
-        raise RuntimeError(f"POST {url}: HTTP {exc.code}: {body}") from None
-
-
-def served_model(base_url: str, timeout: float = 10.0) -> str:
-    """The model name the server answers to (``/v1/models``)."""
-    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=timeout) as r:
-        data = json.loads(r.read())
-    return str(data["data"][0]["id"])
-
-
-def complete_each(
-    base_url: str,
-    prompts: Sequence[str],
-    max_tokens: int = 32,
-    *,
-    timeout: float = 600.0,
-) -> tuple[list[list[int]], list[str]]:
-    """Greedy completions, one request per prompt, each awaited: (token ids, texts).
-
-    One prompt at a time keeps every batch identical on both servers. A single request
-    holding all prompts would be batched by arrival timing, which can differ between two
-    servers, and a different batch can change bf16 results (and thus greedy tokens).
-    """
-    model = served_model(base_url)
-    ids: list[list[int]] = []
-    texts: list[str] = []
-    for prompt in prompts:
-        payload = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        choice = _post_json(f"{base_url}/v1/completions", payload, timeout)["choices"][0]
-        ids.append(list(choice.get("token_ids") or []))
-        texts.append(str(choice.get("text", "")))
-    return ids, texts
 
 
 def compare_tokens(
@@ -176,7 +119,7 @@ def add_demo_arguments(ap: Any) -> None:
 
 
 def run_demo(args: Any) -> int:
-    from afd.reference import FIXED_PROMPTS
+    from afd.tools.reference import FIXED_PROMPTS
 
     t_total = time.monotonic()
     timings: dict[str, float] = {}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,41 +61,15 @@ def check_model(
     model: str, *, hf_overrides: dict[str, Any] | None = None, **engine_kwargs: Any
 ) -> ModelCheck:
     """Plan the split of ``model`` (a checkpoint directory or model id vLLM can read)."""
-    import torch.distributed as dist
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import (
-        cleanup_dist_env_and_memory,
-        ensure_model_parallel_initialized,
-        init_distributed_environment,
-    )
-    from vllm.engine.arg_utils import EngineArgs
-
     from afd.runtime.plugin import afd_alias_of
-    from afd_moe_runners.generic import ALIAS_PREFIX, native_model_class, split_plan_of
+    from afd_moe_runners.dry_plan import dry_split_plan
+    from afd_moe_runners.generic import ALIAS_PREFIX
 
     overrides = dict(hf_overrides or {})
     arch = _architecture(model, overrides)
     if arch.startswith(ALIAS_PREFIX):
         arch = arch[len(ALIAS_PREFIX) :]
-    overrides["architectures"] = [arch]
-    kwargs = {"enforce_eager": True, "max_model_len": 256, **engine_kwargs}
-    config = EngineArgs(model=model, hf_overrides=overrides, **kwargs).create_engine_config()
-    native = native_model_class(arch)
-    # A 1-rank world for the layers' parallel groups: this process's own if it has one
-    # (a test session), else one made and torn down here.
-    owned = not dist.is_initialized()
-    with (
-        tempfile.TemporaryDirectory(prefix="afd-models-check-") as tmp,
-        set_current_vllm_config(config),
-    ):
-        if owned:
-            init_distributed_environment(1, 0, f"file://{tmp}/rendezvous", 0, "gloo")
-        try:
-            ensure_model_parallel_initialized(1, 1)
-            plan = split_plan_of(native, config)
-        finally:
-            if owned:
-                cleanup_dist_env_and_memory()
+    plan = dry_split_plan(model, arch, hf_overrides=overrides, **engine_kwargs)
     alias, provider = afd_alias_of(arch)
     return ModelCheck(model, arch, alias, provider, plan)
 

@@ -1,14 +1,14 @@
 """Locally generated model checkpoints for tests, examples and benchmarks.
 
-Nothing here downloads from a model hub: :mod:`afd.models.tiny` builds small MoE
+Nothing here downloads from a model hub: :mod:`afd.tools.models.tiny` builds small MoE
 checkpoints (seeded random weights, a locally trained tokenizer) that vLLM's CPU
 build loads in seconds.
 """
 
-from afd.models.tiny import (
+from afd.tools.models.tiny import (
     GENERATOR_VERSION,
     TINY_ARCHS,
-    TinySpec,
+    TinyRecipe,
     checkpoint_name,
     generate_tiny_checkpoint,
     tiny_config,
@@ -18,7 +18,7 @@ from afd.models.tiny import (
 __all__ = [
     "GENERATOR_VERSION",
     "TINY_ARCHS",
-    "TinySpec",
+    "TinyRecipe",
     "checkpoint_name",
     "generate_tiny_checkpoint",
     "tiny_config",
