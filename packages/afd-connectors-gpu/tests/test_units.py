@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from afd_connectors_gpu.p2p import P2pGlooAFDConnector, P2pNcclAFDConnector
-from afd_connectors_gpu.wire import FRAME_LEN, Frame
+from afd_core.wire import FRAME_LEN, Frame
 from afd_core.config import AFDConfig
 from afd_core.errors import (
     AFDConfigError,

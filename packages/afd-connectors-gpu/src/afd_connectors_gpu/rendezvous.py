@@ -40,6 +40,7 @@ __all__ = [
     "describe_global_rank",
     "join_data_plane",
     "join_store",
+    "wait_for_keys",
 ]
 
 _POLL_S = 0.02
@@ -92,7 +93,7 @@ def check_distinct_devices(topology: AFDTopology, devices: Sequence[str]) -> Non
         seen[ident] = g
 
 
-def _wait_for_keys(
+def wait_for_keys(
     store: Any,
     keys: Sequence[str],
     ranks: Sequence[int],
@@ -250,7 +251,7 @@ def join_store(
     afd_store = PrefixStore(f"{session}/{prefix}", store)
     ranks = list(range(world))
     afd_store.set(f"join/{global_rank}", device_identity or "")
-    _wait_for_keys(
+    wait_for_keys(
         afd_store,
         [f"join/{g}" for g in ranks],
         ranks,
@@ -269,7 +270,7 @@ def join_store(
     except AFDConfigError:
         if is_master:  # the others are reading the list from this rank's store
             with contextlib.suppress(AFDTimeoutError):
-                _wait_for_keys(
+                wait_for_keys(
                     afd_store,
                     [f"devices-read/{g}" for g in ranks],
                     ranks,
@@ -297,7 +298,7 @@ def barrier(
     """Every rank sets ``name/<rank>`` and waits for all the others (missing ones named)."""
     ranks = list(range(topology.world_size))
     store.set(f"{name}/{global_rank}", "1")
-    _wait_for_keys(store, [f"{name}/{g}" for g in ranks], ranks, deadline, what, topology, where)
+    wait_for_keys(store, [f"{name}/{g}" for g in ranks], ranks, deadline, what, topology, where)
 
 
 def join_data_plane(
@@ -386,7 +387,7 @@ def _build_backends(
     # Nobody leaves init (and attention rank 0 may not take the store down) before
     # every rank has finished building its backends.
     afd_store.set(f"ready/{global_rank}", "1")
-    _wait_for_keys(
+    wait_for_keys(
         afd_store,
         [f"ready/{g}" for g in ranks],
         ranks,
@@ -399,7 +400,7 @@ def _build_backends(
     # barrier above, so closing right after init cannot strand a rank mid-poll.
     afd_store.set(f"seen/{global_rank}", "1")
     if is_master:
-        _wait_for_keys(
+        wait_for_keys(
             afd_store,
             [f"seen/{g}" for g in ranks],
             ranks,
