@@ -69,7 +69,10 @@ def test_an_nccl_error_aborts_both_communicators_and_gives_nccls_reason() -> Non
     conn, fakes = _connector()
     deadline = time.monotonic() + 5
     with pytest.raises(AFDPeerLostError) as err:
-        conn.transport._wait_data(FakeNcclWork(NCCL_DUPLICATE_GPU), TransferContext(conn, 0, deadline, 5.0, "receiving from"))
+        conn.transport._wait_data(
+            FakeNcclWork(NCCL_DUPLICATE_GPU),
+            TransferContext(conn, 0, deadline, 5.0, "receiving from"),
+        )
     text = str(err.value)
     assert "NCCL failed while receiving from attention rank 0" in text
     assert "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 60" in text
@@ -83,7 +86,9 @@ def test_a_late_nccl_operation_times_out_and_aborts_the_communicators() -> None:
     conn, fakes = _connector(timeout=0.3)
     start = time.monotonic()
     with pytest.raises(AFDTimeoutError, match="NCCL communicators were aborted"):
-        conn.transport._wait_data(FakeNcclWork(), TransferContext(conn, 0, start + 0.3, 0.3, "receiving from"))
+        conn.transport._wait_data(
+            FakeNcclWork(), TransferContext(conn, 0, start + 0.3, 0.3, "receiving from")
+        )
     assert 0.25 <= time.monotonic() - start < 2.0
     assert all(g.aborted for g in fakes.values())
 
@@ -93,7 +98,9 @@ def test_a_dead_peer_seen_by_the_watcher_ends_an_nccl_wait() -> None:
     conn.transport._lost[0] = "Connection closed by peer"
     start = time.monotonic()
     with pytest.raises(AFDPeerLostError, match="Connection closed by peer"):
-        conn.transport._wait_data(FakeNcclWork(), TransferContext(conn, 0, start + 30, 30.0, "receiving from"))
+        conn.transport._wait_data(
+            FakeNcclWork(), TransferContext(conn, 0, start + 30, 30.0, "receiving from")
+        )
     assert time.monotonic() - start < 1.0
     assert all(g.aborted for g in fakes.values())
 

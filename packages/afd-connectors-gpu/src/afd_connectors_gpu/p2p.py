@@ -12,8 +12,8 @@ One implementation, :class:`P2pAFDConnector`, with two registered flavours:
 Per message: a frame (:mod:`afd_core.wire`: ``TransferHeader.encode()`` plus transport
 words, int64) then the tensors in a fixed order. The exchange itself (bookkeeping,
 fan-in, validation, errors) is afd-core's :class:`~afd_core.exchange.ExchangeConnector`;
-this module only has its transports, :class:`GlooTransport` and :class:`NcclTransport`. Nothing here imports
-torch at module import time; ``init()`` does.
+this module only has its transports, :class:`GlooTransport` and :class:`NcclTransport`.
+Nothing here imports torch at module import time; ``init()`` does.
 """
 
 from __future__ import annotations
@@ -402,7 +402,9 @@ class NcclTransport(GlooTransport):
         hidden = self.connector.extra_config["hidden_size"]
         if hidden is not None and self._pool is not None:
             spec: Spec = ((int(hidden),), str(self.connector.extra_config["dtype"]))
-            made = self._pool.preallocate(self.connector.peers, spec, self.connector.config.num_micro_batches)
+            made = self._pool.preallocate(
+                self.connector.peers, spec, self.connector.config.num_micro_batches
+            )
             logger.info("%s: preallocated %.1f MiB of receive buffers", self.label, made / 2**20)
 
     def connect(self) -> None:

@@ -41,11 +41,10 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from afd_connectors_gpu.rendezvous import barrier, join_store, wait_for_keys
-from afd_core.config import AFDConfig
 from afd_core.connector import ConnectorCapabilities
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.exchange import (

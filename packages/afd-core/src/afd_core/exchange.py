@@ -491,7 +491,9 @@ class ExchangeConnector(AFDConnector):
         counts = tuple(f.header.num_tokens for f in frames)
         ctx.mb = mb = head.micro_batch_idx
         ctx.action = self._action(head.layer_idx, mb)
-        tensors = transport.recv_tensors(ctx, list(zip(peers, counts, strict=True)), frames[0].specs)
+        tensors = transport.recv_tensors(
+            ctx, list(zip(peers, counts, strict=True)), frames[0].specs
+        )
         payload = layout_of(head.kind).build(tensors)
         assert isinstance(payload, AttentionToFFN)
         total = sum(counts)
@@ -530,8 +532,7 @@ class ExchangeConnector(AFDConnector):
             self._broken[peer] = "it closed"
             sent = " (sent SHUTDOWN)" if self._role is AFDRole.FFN else ""
             raise AFDPeerLostError(
-                f"{self.describe(peer)} closed{sent} while {self.label} waited for "
-                f"{waited_for}",
+                f"{self.describe(peer)} closed{sent} while {self.label} waited for {waited_for}",
                 goodbye=True,
             )
         self._broken[peer] = "stream out of step after a mismatch"
@@ -593,9 +594,7 @@ class ExchangeConnector(AFDConnector):
             raise AFDConnectorError(f"{self.label}: {method}() before init()")
         return transport
 
-    def _context(
-        self, peer: int, timeout_s: float | None, action: str, mb: int
-    ) -> TransferContext:
+    def _context(self, peer: int, timeout_s: float | None, action: str, mb: int) -> TransferContext:
         timeout = self.config.transfer_timeout_s if timeout_s is None else float(timeout_s)
         return TransferContext(self, peer, time.monotonic() + timeout, timeout, action, mb)
 
