@@ -126,7 +126,7 @@ def test_register_connector_is_idempotent_and_refuses_a_different_target() -> No
     register_connector("NullConnector", NullConnector)
     try:
         register_connector("NullConnector", NullConnector)
-        register_connector("NullConnector", f"{__name__}:NullConnector")
+        register_connector("NullConnector", f"{NullConnector.__module__}:NullConnector")
         with pytest.raises(AFDConfigError, match="already registered"):
             register_connector("NullConnector", "somewhere.else:Other")
         assert get_connector_class("NullConnector") is NullConnector
