@@ -32,6 +32,13 @@ from afd_core.errors import (
     AFDTimeoutError,
     AFDTransferMismatchError,
 )
+from afd_core.exchange import (
+    closed_init_error,
+    describe_header,
+    disagree_error,
+    duplicate_send_error,
+    idle_rank_error,
+)
 from afd_core.transfer import AttentionToFFN, FFNToAttention, PayloadKind, TransferHeader
 
 __all__ = ["CAMConnector", "EXTRA_CONFIG_KEYS"]
@@ -148,7 +155,7 @@ class CAMConnector(AFDConnector):
     def init(self) -> None:
         with self._init_lock:
             if self._closed:
-                raise AFDConnectorClosedError(f"{self.label}: init() after close()")
+                raise closed_init_error(self)
             if self._ready:
                 return
             ops = self._ops_factory(self.config, self.rank)
@@ -187,10 +194,7 @@ class CAMConnector(AFDConnector):
         ops = self._enter(AFDRole.ATTENTION, "send_to_ffn")
         key = (layer_idx, micro_batch_idx)
         if key in self._sent:
-            raise AFDTransferMismatchError(
-                f"{self.label}: send_to_ffn(layer_idx={layer_idx}, micro_batch_idx="
-                f"{micro_batch_idx}) again before recv_from_ffn received the first one"
-            )
+            raise duplicate_send_error(self.label, layer_idx, micro_batch_idx)
         self._check_a2f(payload)
         message = self.codec.encode(
             payload,
@@ -238,11 +242,7 @@ class CAMConnector(AFDConnector):
 
         ops = self._enter(AFDRole.FFN, "recv_from_attention")
         if not self._peers:
-            raise AFDConfigError(
-                f"{self.label} serves no attention rank in topology {self.topology.label} "
-                f"(idle FFN ranks: {list(self.topology.idle_ffn_ranks)}); an idle rank must "
-                "not call recv_from_attention"
-            )
+            raise idle_rank_error(self)
         timeout = self._timeout(timeout_s)
         received: list[tuple[A2EMeta, AttentionToFFN]] = []
         idle = timeout_s is None
@@ -268,10 +268,10 @@ class CAMConnector(AFDConnector):
         ref = _layer_key(first)
         for peer, (meta, _) in zip(self._peers[1:], received[1:], strict=True):
             if _layer_key(meta) != ref:
-                raise AFDTransferMismatchError(
-                    f"{self.label}: attention peers disagree on the layer being sent: attention "
-                    f"rank {self._peers[0]} sent {_describe(first)}, attention rank {peer} sent "
-                    f"{_describe(meta)}"
+                raise disagree_error(
+                    self.label,
+                    f"attention rank {self._peers[0]} sent {_describe(first)}",
+                    f"attention rank {peer} sent {_describe(meta)}",
                 )
         fields: dict[str, Any] = {}
         for name in _A2F_FIELDS:
@@ -352,13 +352,4 @@ def _layer_key(meta: A2EMeta) -> tuple[Any, ...]:
 
 
 def _describe(meta: A2EMeta) -> str:
-    h = meta.header
-    text = (
-        f"layer={h.layer_idx} micro_batch={h.micro_batch_idx} hidden={h.hidden_size} "
-        f"dtype={h.dtype} kind={h.kind.name}"
-    )
-    if h.topk:
-        text += f" topk={h.topk}"
-    if meta.token_ids_dtype:
-        text += f" token_ids={meta.token_ids_dtype}"
-    return text
+    return describe_header(meta.header, token_ids=meta.token_ids_dtype)

@@ -59,7 +59,9 @@ __all__ = [
     "Spec",
     "TransferContext",
     "Transport",
+    "closed_init_error",
     "describe_header",
+    "disagree_error",
     "duplicate_send_error",
     "idle_rank_error",
     "positive_int",
@@ -97,6 +99,18 @@ def duplicate_send_error(label: str, layer_idx: int, mb: int) -> AFDTransferMism
     return AFDTransferMismatchError(
         f"{label}: send_to_ffn(layer_idx={layer_idx}, micro_batch_idx={mb}) again before "
         "recv_from_ffn received the first one"
+    )
+
+
+def closed_init_error(connector: AFDConnector) -> AFDConnectorClosedError:
+    return AFDConnectorClosedError(f"{connector.label}: init() after close()")
+
+
+def disagree_error(label: str, first: str, other: str) -> AFDTransferMismatchError:
+    """Two attention peers of one FFN rank sent different layers (``first`` and ``other``:
+    "<peer> sent <describe_header(...)>")."""
+    return AFDTransferMismatchError(
+        f"{label}: attention peers disagree on the layer being sent: {first}, {other}"
     )
 
 
@@ -353,7 +367,7 @@ class ExchangeConnector(AFDConnector):
     def init(self) -> None:
         with self._init_lock:
             if self.closed:
-                raise AFDConnectorClosedError(f"{self.label}: init() after close()")
+                raise closed_init_error(self)
             if not self.transport.ready:
                 self.transport.connect()
 
@@ -513,12 +527,12 @@ class ExchangeConnector(AFDConnector):
             if _layer_key(frame) != ref:
                 for p in self.peers:
                     self._broken[p] = "attention peers out of step"
-                raise AFDTransferMismatchError(
-                    f"{self.label}: attention peers disagree on the layer being sent: "
+                raise disagree_error(
+                    self.label,
                     f"{self.describe(self.peers[0])} sent "
-                    f"{describe_header(first.header, aux_dtype=first.aux_dtype)}, "
+                    f"{describe_header(first.header, aux_dtype=first.aux_dtype)}",
                     f"{self.describe(peer)} sent "
-                    f"{describe_header(frame.header, aux_dtype=frame.aux_dtype)}"
+                    f"{describe_header(frame.header, aux_dtype=frame.aux_dtype)}",
                 )
             frames.append(frame)
 
