@@ -461,7 +461,7 @@ class ExchangeConnector(AFDConnector):
         if problem is not None:
             raise AFDTransferMismatchError(
                 f"{self.label} <- {self.describe(peer)}: recv_from_ffn(layer_idx={layer_idx}, "
-                f"micro_batch_idx={mb}) but the next message is for layer "
+                f"micro_batch_idx={mb}) but the next answer is for layer "
                 f"{header.layer_idx} micro-batch {header.micro_batch_idx} "
                 f"({header.num_tokens} tokens); {problem}. The FFN side answers in the "
                 "order of send_to_ffn calls"
