@@ -426,31 +426,27 @@ class ExchangeConnector(AFDConnector):
         header = frame.header
         if header.kind not in _F2A_KINDS:
             self._refuse_frame(transport, ctx, frame, f"layer {layer_idx} micro-batch {mb}")
-        problem: AFDTransferMismatchError | None = None
-        if (
-            header.layer_idx != layer_idx
-            or header.micro_batch_idx != mb
-            or (
-                sent is not None
-                and (
-                    header.num_tokens != sent.num_tokens
-                    or header.hidden_size != sent.hidden_size
-                    or header.dtype != sent.dtype
-                )
+        problem = ""
+        if header.layer_idx != layer_idx or header.micro_batch_idx != mb:
+            problem = (
+                f"recv_from_ffn(layer_idx={layer_idx}, micro_batch_idx={mb}) but the next "
+                f"answer is for layer {header.layer_idx} micro-batch {header.micro_batch_idx} "
+                f"({header.num_tokens} tokens); the FFN side answers in the order of "
+                "send_to_ffn calls"
             )
+        elif sent is not None and (
+            header.num_tokens != sent.num_tokens
+            or header.hidden_size != sent.hidden_size
+            or header.dtype != sent.dtype
         ):
-            try:
-                header.expect(
-                    layer_idx=layer_idx,
-                    micro_batch_idx=mb,
-                    num_tokens=None if sent is None else sent.num_tokens,
-                    hidden_size=None if sent is None else sent.hidden_size,
-                    dtype=None if sent is None else sent.dtype,
-                )
-            except AFDTransferMismatchError as exc:
-                problem = exc
+            problem = (
+                f"the answer to layer {layer_idx} micro-batch {mb} does not fit what was sent: "
+                f"expected {sent.num_tokens} tokens of hidden size {sent.hidden_size} and dtype "
+                f"{sent.dtype}, received {header.num_tokens} tokens of hidden size "
+                f"{header.hidden_size} and dtype {header.dtype}"
+            )
         tensors: list[Any] = []
-        if problem is None:
+        if not problem:
             tensors = transport.recv_tensors(ctx, [(peer, header.num_tokens)], frame.specs)
         else:
             # Get past the message even on a mismatch, so the stream stays in step (and
@@ -458,14 +454,8 @@ class ExchangeConnector(AFDConnector):
             transport.skip(ctx, header.num_tokens, frame.specs)
         self._sent.pop((header.layer_idx, header.micro_batch_idx), None)
         transport.reap()
-        if problem is not None:
-            raise AFDTransferMismatchError(
-                f"{self.label} <- {self.describe(peer)}: recv_from_ffn(layer_idx={layer_idx}, "
-                f"micro_batch_idx={mb}) but the next answer is for layer "
-                f"{header.layer_idx} micro-batch {header.micro_batch_idx} "
-                f"({header.num_tokens} tokens); {problem}. The FFN side answers in the "
-                "order of send_to_ffn calls"
-            )
+        if problem:
+            raise AFDTransferMismatchError(f"{self.label} <- {self.describe(peer)}: {problem}")
         result = layout_of(header.kind).build(tensors)
         assert isinstance(result, FFNToAttention)
         return result
