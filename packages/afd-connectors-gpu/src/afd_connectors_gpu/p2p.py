@@ -14,6 +14,10 @@ words, int64) then the tensors in a fixed order. The exchange itself (bookkeepin
 fan-in, validation, errors) is afd-core's :class:`~afd_core.exchange.ExchangeConnector`;
 this module only has its transports, :class:`GlooTransport` and :class:`NcclTransport`.
 Nothing here imports torch at module import time; ``init()`` does.
+
+Over 400 lines: the NCCL transport is the gloo transport plus its device, warm-up,
+watchdog and abort rules, and the three registered classes' extra-config checks sit
+with the transports they configure.
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ The design follows vLLM's modular MoE kernel (prepare/finalize composed with exp
 the connectors of afd-connectors-gpu (gloo, NCCL, shared memory) are such compositions,
 and a third-party connector implements a transport only (``docs/connectors.md``).
 Tensors stay opaque here (typed ``Any``): nothing in this module imports torch.
+
+Over 400 lines on purpose: it is the one place of every rule of the exchange (both
+roles' sides, the transport interface and the context whose errors transports raise);
+split, each half would have to name the other's private state.
 """
 
 from __future__ import annotations
