@@ -479,30 +479,36 @@ class ExchangeConnector(AFDConnector):
         if self._broken:
             for peer in peers:
                 self._check_peer(peer)
+        timeout = self.config.transfer_timeout_s if timeout_s is None else float(timeout_s)
         if timeout_s is None:
             # Waiting for the next step is not a transfer: no deadline while the peers are
             # alive (peer loss and close() still end the wait). Once the first peer's frame
             # is here the step has started, and the rest of it is bounded.
             wait = "waiting for the next step from"
-            ctx = TransferContext(self, peers[0], IDLE, self.config.transfer_timeout_s, wait)
-            frames = [transport.recv_frame(ctx)]
-            ctx = self._context(peers[0], None, "receiving from", 0)
+            ctx = TransferContext(self, peers[0], IDLE, timeout, wait)
+            frame = transport.recv_frame(ctx)
+            ctx.deadline = time.monotonic() + timeout
+            ctx.action = "receiving from"
         else:
-            ctx = self._context(peers[0], timeout_s, "receiving from", 0)
-            frames = [transport.recv_frame(ctx)]
-        if frames[0].header.kind not in _A2F_KINDS:
-            self._refuse_frame(transport, ctx, frames[0], "the next layer")
-        if len(peers) > 1:
+            ctx = TransferContext(
+                self, peers[0], time.monotonic() + timeout, timeout, "receiving from"
+            )
+            frame = transport.recv_frame(ctx)
+        head = frame.header
+        if head.kind not in _A2F_KINDS:
+            self._refuse_frame(transport, ctx, frame, "the next layer")
+        if len(peers) == 1:  # the common case: no fan-in
+            counts: tuple[int, ...] = (head.num_tokens,)
+            parts = [(peers[0], head.num_tokens)]
+        else:
+            frames = [frame]
             self._fan_in(transport, ctx, frames)
+            counts = tuple(f.header.num_tokens for f in frames)
+            parts = list(zip(peers, counts, strict=True))
         transport.reap()
-        head = frames[0].header
-        counts = tuple(f.header.num_tokens for f in frames)
         ctx.mb = mb = head.micro_batch_idx
         ctx.action = self._action(head.layer_idx, mb)
-        tensors = transport.recv_tensors(
-            ctx, list(zip(peers, counts, strict=True)), frames[0].specs
-        )
-        payload = layout_of(head.kind).build(tensors)
+        payload = layout_of(head.kind).build(transport.recv_tensors(ctx, parts, frame.specs))
         assert isinstance(payload, AttentionToFFN)
         total = sum(counts)
         if head.num_tokens != total:
