@@ -175,11 +175,11 @@ def _rank_main(part: str, role: str, rank: int, a: int, f: int, port: int, q: An
                 conn.recv_from_ffn(layer_idx=0)
                 # Send only the frame of the next message, then die: the FFN side is then
                 # blocked in the NCCL receive of the tensor.
-                from afd_connectors_gpu.wire import Frame
+                from afd_core.wire import Frame
 
                 frame = Frame(AttentionToFFN(h).header(1, 0), None, 0)
                 head = torch.tensor(frame.encode(), dtype=torch.int64)
-                conn._group.gloo.send([head], conn._peers[0], 0).wait()
+                conn.transport._group.gloo.send([head], conn.peers[0], 0).wait()
                 time.sleep(1.0)
                 os._exit(0)
             batch = conn.recv_from_attention()

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from afd.ffn_server import READY_MARKER
+from afd.runtime.ffn_server import READY_MARKER
 from afd.launch.processes import RoleProcess as LaunchedRole
 from afd.launch.processes import stop_groups
 from afd.launch.readiness import NATIVE
@@ -479,7 +479,7 @@ def run_offline_afd(
     if compiled:
         llm_kwargs["enforce_eager"] = False
     if int(afd.get("num_micro_batches", 1)) > 1:
-        llm_kwargs["worker_cls"] = "afd.worker.AFDCPUWorker"
+        llm_kwargs["worker_cls"] = "afd.runtime.worker.AFDCPUWorker"
     try:
         ffn.wait_ready()
         try:

@@ -16,6 +16,7 @@ from afd_connectors_gpu.p2p import P2pNcclAFDConnector
 from afd_connectors_gpu.rendezvous import A2F, F2A, DataPlaneGroup
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDPeerLostError, AFDTimeoutError
+from afd_core.exchange import TransferContext
 
 NCCL_DUPLICATE_GPU = (
     "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, invalid usage "
@@ -60,7 +61,7 @@ def _connector(timeout: float = 0.3) -> tuple[P2pNcclAFDConnector, dict[str, Fak
     )
     conn = P2pNcclAFDConnector(config, rank=0)
     fakes = {A2F: FakeNcclGroup(), F2A: FakeNcclGroup()}
-    conn._group = DataPlaneGroup(store=None, gloo=None, nccl=dict(fakes))
+    conn.transport._group = DataPlaneGroup(store=None, gloo=None, nccl=dict(fakes))
     return conn, fakes
 
 
@@ -68,7 +69,10 @@ def test_an_nccl_error_aborts_both_communicators_and_gives_nccls_reason() -> Non
     conn, fakes = _connector()
     deadline = time.monotonic() + 5
     with pytest.raises(AFDPeerLostError) as err:
-        conn._wait_data(FakeNcclWork(NCCL_DUPLICATE_GPU), 0, deadline, 5.0, "receiving from")
+        conn.transport._wait_data(
+            FakeNcclWork(NCCL_DUPLICATE_GPU),
+            TransferContext(conn, 0, deadline, 5.0, "receiving from"),
+        )
     text = str(err.value)
     assert "NCCL failed while receiving from attention rank 0" in text
     assert "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 60" in text
@@ -82,17 +86,21 @@ def test_a_late_nccl_operation_times_out_and_aborts_the_communicators() -> None:
     conn, fakes = _connector(timeout=0.3)
     start = time.monotonic()
     with pytest.raises(AFDTimeoutError, match="NCCL communicators were aborted"):
-        conn._wait_data(FakeNcclWork(), 0, start + 0.3, 0.3, "receiving from")
+        conn.transport._wait_data(
+            FakeNcclWork(), TransferContext(conn, 0, start + 0.3, 0.3, "receiving from")
+        )
     assert 0.25 <= time.monotonic() - start < 2.0
     assert all(g.aborted for g in fakes.values())
 
 
 def test_a_dead_peer_seen_by_the_watcher_ends_an_nccl_wait() -> None:
     conn, fakes = _connector(timeout=30.0)
-    conn._lost[0] = "Connection closed by peer"
+    conn.transport._lost[0] = "Connection closed by peer"
     start = time.monotonic()
     with pytest.raises(AFDPeerLostError, match="Connection closed by peer"):
-        conn._wait_data(FakeNcclWork(), 0, start + 30, 30.0, "receiving from")
+        conn.transport._wait_data(
+            FakeNcclWork(), TransferContext(conn, 0, start + 30, 30.0, "receiving from")
+        )
     assert time.monotonic() - start < 1.0
     assert all(g.aborted for g in fakes.values())
 
@@ -102,13 +110,13 @@ def test_a_late_nccl_send_times_out_and_aborts_both_communicators_as_a_receive_d
 
     conn, fakes = _connector(timeout=0.3)
     answer = torch.ones(4, 8)
-    _, key = conn._stage(answer, 0, 0, 0)
-    assert conn._pool is not None
-    conn._pool.sent(key, FakeNcclWork())  # the NCCL send of that buffer never completes
+    _, key = conn.transport._stage(answer, 0, 0, 0)
+    assert conn.transport._pool is not None
+    conn.transport._pool.sent(key, FakeNcclWork())  # the NCCL send of that buffer never completes
     start = time.monotonic()
     # The next answer in the same buffer must first settle the send that read it.
     with pytest.raises(AFDTimeoutError, match="NCCL communicators were aborted") as err:
-        conn._stage(answer, 0, 0, 0)
+        conn.transport._stage(answer, 0, 0, 0)
     assert "sending to attention rank 0" in str(err.value)
     assert 0.25 <= time.monotonic() - start < 2.0
     assert all(g.aborted for g in fakes.values())
@@ -153,7 +161,7 @@ def _warm_connector(
     conn = P2pNcclAFDConnector(config, rank=rank)
     log: list[tuple[str, str, int]] = []
     fakes = {d: FakeNcclPairGroup(d, log, set(silent)) for d in (A2F, F2A)}
-    conn._group = DataPlaneGroup(store=None, gloo=None, nccl=dict(fakes))
+    conn.transport._group = DataPlaneGroup(store=None, gloo=None, nccl=dict(fakes))
     return conn, log, fakes
 
 
@@ -163,7 +171,7 @@ def test_init_sets_up_every_pairs_communicators_in_one_global_order(role: str, r
     ascending (attention rank, FFN rank) order on every rank, so no two ranks can wait
     for each other's communicator set-up in opposite orders."""
     conn, log, _ = _warm_connector(role, rank)  # 2 attention ranks, 1 FFN rank
-    conn._warm_up_communicators()
+    conn.transport._warm_up_communicators()
     me = rank if role == "attention" else 2 + rank
     peers = [2] if role == "attention" else [0, 1]
     send, recv = ("send", "recv") if role == "attention" else ("recv", "send")
@@ -176,7 +184,7 @@ def test_a_peer_that_never_answers_the_warm_up_fails_init_and_aborts_nccl() -> N
     conn, log, fakes = _warm_connector("ffn", 0, silent={1})
     start = time.monotonic()
     with pytest.raises(AFDTimeoutError, match="receiving from attention rank 1"):
-        conn._warm_up_communicators()
+        conn.transport._warm_up_communicators()
     assert time.monotonic() - start < 5
     assert all(f.aborted for f in fakes.values())
     assert log[-1] == (A2F, "recv", 1)

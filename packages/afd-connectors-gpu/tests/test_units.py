@@ -10,7 +10,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from afd_connectors_gpu.p2p import P2pGlooAFDConnector, P2pNcclAFDConnector
-from afd_connectors_gpu.wire import FRAME_LEN, Frame
 from afd_core.config import AFDConfig
 from afd_core.errors import (
     AFDConfigError,
@@ -20,6 +19,7 @@ from afd_core.errors import (
 )
 from afd_core.registry import get_connector_class
 from afd_core.transfer import WIRE_DTYPES, PayloadKind, TransferHeader
+from afd_core.wire import FRAME_LEN, Frame
 
 _ints = st.integers(min_value=0, max_value=2**40)
 

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.connector import AFDConnector, FFNBatch
 from afd_core.errors import AFDMetadataMissingError
 from afd_core.forward_context import (
     AFD_CONTEXT_KEY,
@@ -17,37 +16,11 @@ from afd_core.forward_context import (
     get_step_metadata,
     set_step_metadata,
 )
-from afd_core.transfer import AttentionToFFN, FFNToAttention
+from afd_core.testing.null import NullConnector as _Null
 
 
-class NullConnector(AFDConnector):
-    name = "NullConnector"
-
-    def init(self) -> None:
-        pass
-
-    @property
-    def is_initialized(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass
-
-    def send_to_ffn(
-        self, payload: AttentionToFFN, *, layer_idx: int, micro_batch_idx: int = 0
-    ) -> None:
-        pass
-
-    def recv_from_ffn(
-        self, *, layer_idx: int, micro_batch_idx: int = 0, timeout_s: float | None = None
-    ) -> FFNToAttention:
-        raise NotImplementedError
-
-    def recv_from_attention(self, *, timeout_s: float | None = None) -> FFNBatch:
-        raise NotImplementedError
-
-    def send_to_attention(self, batch: FFNBatch, result: FFNToAttention) -> None:
-        pass
+class NullConnector(_Null):
+    initialized = True
 
 
 def _meta(**kwargs: Any) -> AFDStepMetadata:

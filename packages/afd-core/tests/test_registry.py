@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.connector import AFDConnector, FFNBatch
+from afd_core.connector import AFDConnector
 from afd_core.errors import AFDConfigError, UnknownConnectorError
 from afd_core.registry import (
     ENTRY_POINT_GROUP,
@@ -21,7 +21,7 @@ from afd_core.registry import (
     register_connector,
     unregister_connector,
 )
-from afd_core.transfer import AttentionToFFN, FFNToAttention
+from afd_core.testing.null import NullConnector
 
 CONNECTOR_SOURCE = """
 from afd_core.connector import AFDConnector
@@ -45,38 +45,6 @@ class FakeEntryPointConnector(AFDConnector):
 class NotAConnector:
     pass
 """
-
-
-class NullConnector(AFDConnector):
-    """A connector that moves nothing: registry tests only look at classes."""
-
-    name = "NullConnector"
-
-    def init(self) -> None:
-        pass
-
-    @property
-    def is_initialized(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
-
-    def send_to_ffn(
-        self, payload: AttentionToFFN, *, layer_idx: int, micro_batch_idx: int = 0
-    ) -> None:
-        pass
-
-    def recv_from_ffn(
-        self, *, layer_idx: int, micro_batch_idx: int = 0, timeout_s: float | None = None
-    ) -> FFNToAttention:
-        raise NotImplementedError
-
-    def recv_from_attention(self, *, timeout_s: float | None = None) -> FFNBatch:
-        raise NotImplementedError
-
-    def send_to_attention(self, batch: FFNBatch, result: FFNToAttention) -> None:
-        pass
 
 
 @pytest.fixture
@@ -158,7 +126,7 @@ def test_register_connector_is_idempotent_and_refuses_a_different_target() -> No
     register_connector("NullConnector", NullConnector)
     try:
         register_connector("NullConnector", NullConnector)
-        register_connector("NullConnector", f"{__name__}:NullConnector")
+        register_connector("NullConnector", f"{NullConnector.__module__}:NullConnector")
         with pytest.raises(AFDConfigError, match="already registered"):
             register_connector("NullConnector", "somewhere.else:Other")
         assert get_connector_class("NullConnector") is NullConnector

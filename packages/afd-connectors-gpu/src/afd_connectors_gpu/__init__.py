@@ -6,10 +6,10 @@ loaded on first attribute access (and torch on ``init()``).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from afd_connectors_gpu._version import __version__
+from afd_core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from afd_connectors_gpu.p2p import (
@@ -35,8 +35,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'afd_connectors_gpu' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

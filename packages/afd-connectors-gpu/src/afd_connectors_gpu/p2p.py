@@ -9,11 +9,15 @@ One implementation, :class:`P2pAFDConnector`, with two registered flavours:
 * :class:`P2pNcclAFDConnector` — CUDA tensors over NCCL (one communicator per
   direction), frames over gloo, tensors through the buffer pool.
 
-Per message: a frame (:mod:`afd_connectors_gpu.wire`: ``TransferHeader.encode()``
-plus transport words, int64) then the tensors in a fixed order. The exchange itself
-(bookkeeping, fan-in, validation, errors) is :class:`~afd_connectors_gpu.exchange.
-ExchangeConnector`; this module only moves frames and tensors. Nothing here imports
-torch at module import time; ``init()`` does.
+Per message: a frame (:mod:`afd_core.wire`: ``TransferHeader.encode()`` plus transport
+words, int64) then the tensors in a fixed order. The exchange itself (bookkeeping,
+fan-in, validation, errors) is afd-core's :class:`~afd_core.exchange.ExchangeConnector`;
+this module only has its transports, :class:`GlooTransport` and :class:`NcclTransport`.
+Nothing here imports torch at module import time; ``init()`` does.
+
+Over 400 lines: the NCCL transport is the gloo transport plus its device, warm-up,
+watchdog and abort rules, and the three registered classes' extra-config checks sit
+with the transports they configure.
 """
 
 from __future__ import annotations
@@ -29,14 +33,28 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 from afd_connectors_gpu.buffers import DEFAULT_MAX_NUM_TOKENS, BufferPool
-from afd_connectors_gpu.exchange import IDLE, ExchangeConnector, _Message, _positive_int, _Spec
 from afd_connectors_gpu.rendezvous import A2F, F2A, DataPlaneGroup, join_data_plane
-from afd_connectors_gpu.wire import FRAME_LEN, Frame
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector import ConnectorCapabilities
 from afd_core.errors import AFDConfigError, AFDPeerLostError, AFDTransferMismatchError
+from afd_core.exchange import (
+    IDLE,
+    ExchangeConnector,
+    Message,
+    Spec,
+    TransferContext,
+    Transport,
+    positive_int,
+)
+from afd_core.wire import FRAME_LEN, Frame
 
-__all__ = ["P2pAFDConnector", "P2pGlooAFDConnector", "P2pNcclAFDConnector"]
+__all__ = [
+    "GlooTransport",
+    "NcclTransport",
+    "P2pAFDConnector",
+    "P2pGlooAFDConnector",
+    "P2pNcclAFDConnector",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,23 +72,13 @@ _FOREVER = timedelta(days=365)
 _NCCL_WATCHDOG_MARGIN_S = 60.0
 
 
-class P2pAFDConnector(ExchangeConnector):
-    """Attention <-> FFN point-to-point transfers over a private process group.
+class GlooTransport(Transport):
+    """Frames over gloo, tensors over gloo (or, with a buffer pool, through it)."""
 
-    Failure behaviour: a receive that outlives its timeout raises
-    :class:`AFDTimeoutError` (gloo then drops the connection to that peer, so later
-    transfers with it raise :class:`AFDPeerLostError`; NCCL aborts its communicators); a
-    peer process that exits or crashes closes its sockets and the blocked side raises
-    :class:`AFDPeerLostError` at once; ``close()`` (from any thread) makes blocked
-    and later calls raise :class:`AFDConnectorClosedError`. The FFN side's wait for the
-    next step (``recv_from_attention()`` without ``timeout_s``) has no deadline.
-    """
-
-    #: "gloo" or "nccl": which backend carries the tensors (frames always use gloo).
-    backend: ClassVar[str] = "gloo"
-
-    def __init__(self, config: AFDConfig, *, rank: int) -> None:
-        super().__init__(config, rank=rank)
+    def __init__(self, connector: ExchangeConnector) -> None:
+        super().__init__(connector)
+        c = connector
+        self.label = c.label
         self._group: DataPlaneGroup | None = None
         # (work, peer, tensor kept alive until the send completed, True for a tensor on
         # the data plane / False for a frame on gloo)
@@ -79,37 +87,38 @@ class P2pAFDConnector(ExchangeConnector):
         # once more than this many are queued. In the AFD protocol at most one message
         # per (peer, micro-batch) is undelivered at a time (4 operations at most), so the
         # oldest one past this bound has long been delivered and wait() returns at once.
-        self._max_pending = 8 * config.num_micro_batches * max(1, len(self._peers)) + 8
+        self._max_pending = 8 * c.config.num_micro_batches * max(1, len(c.peers)) + 8
         self._pool: BufferPool | None = None
         if self._uses_pool():
-            limit = int(self.extra_config["max_num_tokens"])
-            self._pool = BufferPool(max_num_tokens=limit, device=None, label=self.label)
+            limit = int(c.extra_config["max_num_tokens"])
+            self._pool = BufferPool(max_num_tokens=limit, device=None, label=c.label)
         self._device: Any = None
-        # Peer global rank -> why its process is gone (set by the sentinel watchers).
-        self._lost: dict[int, str] = {}
+        self._attention = c.role is AFDRole.ATTENTION
 
     # -- lifecycle -----------------------------------------------------------------
-    def _link(self) -> DataPlaneGroup | None:
-        return self._group
-
-    def _join(self) -> None:
+    def connect(self) -> None:
+        c = self.connector
         self._device = self._select_device()
         group = join_data_plane(
-            config=self.config,
-            global_rank=self._global_rank,
-            label=self.label,
+            config=c.config,
+            global_rank=c.global_rank,
+            label=c.label,
             nccl_device=self._device if self.backend == "nccl" else None,
-            nccl_timeout_s=self.config.transfer_timeout_s + _NCCL_WATCHDOG_MARGIN_S,
+            nccl_timeout_s=c.config.transfer_timeout_s + _NCCL_WATCHDOG_MARGIN_S,
             device_identity=self._device_identity(),
-            identity=self.identity,
+            identity=c.identity,
         )
         if self._pool is not None:
             self._pool.device = self._device
         self._after_join(group)
         self._group = group
-        logger.debug("%s joined the data plane at %s", self.label, self._where)
+        self.ready = True
+        logger.debug("%s joined the data plane at %s", c.label, c.where)
 
-    def _shutdown(self) -> None:
+    #: "gloo" or "nccl": which backend carries the tensors (frames always use gloo).
+    backend: ClassVar[str] = "gloo"
+
+    def close(self) -> None:
         group = self._group
         if group is None:
             return
@@ -128,11 +137,11 @@ class P2pAFDConnector(ExchangeConnector):
                     break
                 with contextlib.suppress(RuntimeError):
                     work.wait(timedelta(seconds=remaining))
-            peer = self._shutdown_peer()
+            peer = self.connector.goodbye()
             if peer is not None:
                 # The FFN peer is at a message boundary: tell it we are leaving so its
                 # receive fails with "attention rank N closed" rather than a socket error.
-                frame = _cpu_tensor(Frame.shutdown(self._global_rank).encode())
+                frame = _cpu_tensor(Frame.shutdown(self.connector.global_rank).encode())
                 with contextlib.suppress(RuntimeError):
                     group.gloo.send([frame], peer, _DATA_TAG).wait(
                         timedelta(seconds=_SHUTDOWN_GRACE_S)
@@ -141,7 +150,7 @@ class P2pAFDConnector(ExchangeConnector):
             # also fails any receive another thread has pending on it: that is how close()
             # unblocks waiters (gloo's abort() does not interrupt point-to-point waits).
             dummy = torch.zeros(1, device="cpu")
-            for peer in self._peers:
+            for peer in self.connector.peers:
                 with contextlib.suppress(RuntimeError):
                     group.gloo.recv([dummy], peer, _BREAK_TAG).wait(timedelta(milliseconds=1))
             self._abort_nccl(group)
@@ -150,10 +159,11 @@ class P2pAFDConnector(ExchangeConnector):
             if self._pool is not None:
                 self._pool.clear()
             self._group = None
+            self.ready = False
 
     # -- hooks for the NCCL flavour ------------------------------------------------
     def _uses_pool(self) -> bool:
-        return bool(self.extra_config.get("buffer_pool", False))
+        return bool(self.connector.extra_config.get("buffer_pool", False))
 
     def _select_device(self) -> Any:
         import torch
@@ -174,38 +184,32 @@ class P2pAFDConnector(ExchangeConnector):
             except RuntimeError:
                 logger.debug("%s: NCCL abort failed", self.label, exc_info=True)
 
-    def _wait_data(
-        self, work: Any, peer: int, deadline: float, timeout: float, action: str
-    ) -> None:
-        self._wait_gloo(work, peer, deadline, timeout, action)
+    def _wait_data(self, work: Any, ctx: TransferContext) -> None:
+        self._wait_gloo(work, ctx)
 
     # -- transport -------------------------------------------------------------------
     def _data_pg(self, link: DataPlaneGroup, direction: str) -> Any:
         return link.nccl.get(direction, link.gloo)
 
-    def _map_error(self, exc: BaseException, peer: int, timeout: float, action: str) -> Exception:
+    def _map_error(self, exc: BaseException, ctx: TransferContext) -> Exception:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if self._closed:
-            return self._closed_error(peer, action)
+        if self.connector.closed:
+            return ctx.closed_error()
         if "Timed out" in text or "timed out" in text:
-            self._broken[peer] = f"timed out after {timeout:g} s"
-            return self._timeout_error(
-                peer, timeout, action, "; the connection to that peer is dropped"
-            )
-        self._broken[peer] = text
-        return self._gone_error(peer, action, text)
+            ctx.break_peer(f"timed out after {ctx.timeout:g} s")
+            return ctx.timeout_error("; the connection to that peer is dropped")
+        ctx.break_peer(text)
+        return ctx.lost_error(text)
 
-    def _wait_gloo(
-        self, work: Any, peer: int, deadline: float, timeout: float, action: str
-    ) -> None:
-        if deadline == IDLE:
+    def _wait_gloo(self, work: Any, ctx: TransferContext) -> None:
+        if ctx.deadline == IDLE:
             limit = _FOREVER
         else:
-            limit = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+            limit = timedelta(seconds=max(ctx.deadline - time.monotonic(), 0.001))
         try:
             work.wait(limit)
         except RuntimeError as exc:  # DistBackendError / DistNetworkError included
-            raise self._map_error(exc, peer, timeout, action) from exc
+            raise self._map_error(exc, ctx) from exc
 
     def _settle(self, work: Any, peer: int, *, data: bool) -> None:
         """Wait for a send posted earlier (it has normally completed long ago).
@@ -214,9 +218,10 @@ class P2pAFDConnector(ExchangeConnector):
         aborts both communicators and raises :class:`AFDTimeoutError`. A frame is a gloo
         send.
         """
-        timeout = self.config.transfer_timeout_s
-        wait = self._wait_data if data else self._wait_gloo
-        wait(work, peer, time.monotonic() + timeout, timeout, "sending to")
+        timeout = self.connector.config.transfer_timeout_s
+        ctx = TransferContext(self.connector, peer, time.monotonic() + timeout, timeout,
+                              "sending to")  # fmt: skip
+        (self._wait_data if data else self._wait_gloo)(work, ctx)
 
     def _stage(self, tensor: Any, peer: int, slot: int, mb: int) -> tuple[Any, Any]:
         """(tensor to send, pool key or None): on the connector's device, contiguous."""
@@ -231,14 +236,7 @@ class P2pAFDConnector(ExchangeConnector):
         t = tensor if tensor.device == self._device else tensor.to(self._device)
         return t.contiguous(), None
 
-    def _send_messages(
-        self,
-        link: DataPlaneGroup,
-        messages: Iterable[_Message],
-        deadline: float,
-        timeout: float,
-        mb: int,
-    ) -> None:
+    def send(self, ctx: TransferContext, messages: Iterable[Message]) -> None:
         """Post the sends and return without waiting for them.
 
         A gloo send completes only once the receiver has posted the matching receive,
@@ -249,10 +247,12 @@ class P2pAFDConnector(ExchangeConnector):
         before the first frame is posted, so a message over the buffer limit is refused
         with nothing on the wire.
         """
+        link = self._group
+        assert link is not None
         posts = list(messages)  # checks every peer before anything is posted
-        self._reap_sends()
-        direction = A2F if self.role is AFDRole.ATTENTION else F2A
-        data_pg = self._data_pg(link, direction)
+        self.reap()
+        data_pg = self._data_pg(link, A2F if self._attention else F2A)
+        mb = ctx.mb
         staged = [
             [
                 self._stage(t, peer, slot, mb) if t.numel() else (None, None)
@@ -273,38 +273,39 @@ class P2pAFDConnector(ExchangeConnector):
                     if key is not None and self._pool is not None:
                         self._pool.sent(key, work)
         except RuntimeError as exc:
-            raise self._map_error(exc, posts[0][0], timeout, "sending to") from exc
+            raise self._map_error(exc, ctx.at(posts[0][0])) from exc
 
-    def _reap_sends(self) -> None:
+    def reap(self) -> None:
         """Settle the oldest sends past the bound; raise the error of a failed one."""
         pending = self._pending_sends
         while len(pending) > self._max_pending:
             work, peer, _, data = pending.popleft()
             self._settle(work, peer, data=data)
 
-    def _recv_frames(
-        self,
-        link: DataPlaneGroup,
-        peers: Sequence[int],
-        deadline: float,
-        timeout: float,
-        action: str,
-    ) -> list[Frame]:
+    def recv_frame(self, ctx: TransferContext) -> Frame:
+        [frame] = self.recv_frames(ctx, (ctx.peer,))
+        return frame
+
+    def recv_frames(self, ctx: TransferContext, peers: Sequence[int]) -> list[Frame]:
+        """Every peer's receive is posted before the first wait."""
+        link = self._group
+        assert link is not None
         heads = [_cpu_tensor([0] * FRAME_LEN) for _ in peers]
         works = []
         for peer, head in zip(peers, heads, strict=True):
             try:
                 works.append(link.gloo.recv([head], peer, _DATA_TAG))
             except RuntimeError as exc:
-                raise self._map_error(exc, peer, timeout, action) from exc
+                raise self._map_error(exc, ctx.at(peer)) from exc
         frames = []
         for peer, head, work in zip(peers, heads, works, strict=True):
-            self._wait_gloo(work, peer, deadline, timeout, action)
-            frames.append(self._decode_frame(peer, head.tolist()))
+            at = ctx.at(peer)
+            self._wait_gloo(work, at)
+            frames.append(at.decode_frame(head.tolist()))
         return frames
 
     def _recv_buffer(
-        self, peer: int, num_tokens: int, spec: _Spec, slot: int, mb: int
+        self, peer: int, num_tokens: int, spec: Spec, slot: int, mb: int
     ) -> tuple[Any, Any]:
         """(buffer to receive into, tensor to hand out)."""
         if self._pool is not None:
@@ -315,45 +316,211 @@ class P2pAFDConnector(ExchangeConnector):
         t = torch.empty((num_tokens, *trailing), dtype=getattr(torch, dtype), device=self._device)
         return t, t
 
-    def _recv_tensors(
-        self,
-        link: DataPlaneGroup,
-        parts: Sequence[tuple[int, int]],
-        specs: Sequence[_Spec],
-        deadline: float,
-        timeout: float,
-        action: str,
-        mb: int,
+    def recv_tensors(
+        self, ctx: TransferContext, parts: Sequence[tuple[int, int]], specs: Sequence[Spec]
     ) -> list[Any]:
-        direction = F2A if self.role is AFDRole.ATTENTION else A2F
-        data_pg = self._data_pg(link, direction)
+        link = self._group
+        assert link is not None
+        data_pg = self._data_pg(link, F2A if self._attention else A2F)
         per_peer: list[list[Any]] = []
-        posted: list[tuple[Any, int]] = []
+        posted: list[tuple[Any, TransferContext]] = []
         for peer, num_tokens in parts:
+            at = ctx.at(peer)
             out = []
             for slot, spec in enumerate(specs):
                 try:
-                    buf, view = self._recv_buffer(peer, num_tokens, spec, slot, mb)
+                    buf, view = self._recv_buffer(peer, num_tokens, spec, slot, ctx.mb)
                 except AFDTransferMismatchError:
-                    self._broken[peer] = "message over the buffer limit"
+                    at.break_peer("message over the buffer limit")
                     raise
                 out.append(view)
                 if num_tokens == 0:
                     continue
                 try:
-                    posted.append((data_pg.recv([buf], peer, _DATA_TAG), peer))
+                    posted.append((data_pg.recv([buf], peer, _DATA_TAG), at))
                 except RuntimeError as exc:
-                    raise self._map_error(exc, peer, timeout, action) from exc
+                    raise self._map_error(exc, at) from exc
             per_peer.append(out)
-        for work, peer in posted:
-            self._wait_data(work, peer, deadline, timeout, action)
+        for work, at in posted:
+            self._wait_data(work, at)
         if len(per_peer) == 1:
             return per_peer[0]
         import torch
 
         return [torch.cat(rows, dim=0) for rows in zip(*per_peer, strict=True)]
 
-    # -- start-up checks -----------------------------------------------------------
+
+class NcclTransport(GlooTransport):
+    """CUDA tensors over NCCL (one communicator per direction), frames over gloo, tensors
+    through the buffer pool; the communicators are warmed up in ``connect()``."""
+
+    backend: ClassVar[str] = "nccl"
+
+    def __init__(self, connector: ExchangeConnector) -> None:
+        super().__init__(connector)
+        # Peer global rank -> why its process is gone (set by the sentinel watchers).
+        self._lost: dict[int, str] = {}
+
+    def _uses_pool(self) -> bool:
+        return True
+
+    def _select_device(self) -> Any:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise AFDConfigError(
+                f"{self.label}: requires CUDA (torch.cuda.is_available() is False); "
+                "use P2pGlooAFDConnector on CPU"
+            )
+        index = self.connector.extra_config["device"]
+        if index is None:
+            index = torch.cuda.current_device()
+        # No torch.cuda.set_device: the model's allocations stay where vLLM put them.
+        return torch.device("cuda", index)
+
+    def _device_identity(self) -> str | None:
+        import torch
+
+        index = self._device.index
+        props = torch.cuda.get_device_properties(index)
+        uuid = getattr(props, "uuid", None)
+        ident = str(uuid) if uuid is not None else f"pci {getattr(props, 'pci_bus_id', index)}"
+        return f"{socket.gethostname()} cuda:{index} ({props.name}, {ident})"
+
+    def _after_join(self, group: DataPlaneGroup) -> None:
+        import torch
+
+        # NCCL never notices a dead peer by itself. Each rank keeps one gloo receive
+        # pending per peer on a tag nobody sends on, waited for by a watcher thread:
+        # when the peer's process dies (or it closes), gloo fails that receive and the
+        # NCCL wait loop sees the peer in ``_lost``. (A gloo work reports completion only
+        # through wait(), so polling is_completed() would never see it.)
+        for peer in self.connector.peers:
+            work = group.gloo.recv([torch.zeros(1, device="cpu")], peer, _SENTINEL_TAG)
+            threading.Thread(
+                target=self._watch_peer,
+                args=(work, peer),
+                name=f"afd-nccl-watch-{peer}",
+                daemon=True,
+            ).start()
+        hidden = self.connector.extra_config["hidden_size"]
+        if hidden is not None and self._pool is not None:
+            spec: Spec = ((int(hidden),), str(self.connector.extra_config["dtype"]))
+            made = self._pool.preallocate(
+                self.connector.peers, spec, self.connector.config.num_micro_batches
+            )
+            logger.info("%s: preallocated %.1f MiB of receive buffers", self.label, made / 2**20)
+
+    def connect(self) -> None:
+        super().connect()
+        self._warm_up_communicators()
+
+    def _warm_up_communicators(self) -> None:
+        """Set up the NCCL communicator of every (peer, direction) pair now, with one
+        one-element message each way, instead of inside the first real exchange (the
+        Attention role's profiling run). torch creates a pair's communicator at its first
+        operation, together on both ranks, blocking: every rank visits its pairs in the
+        same global order (attention rank, FFN rank, A->F before F->A), so two ranks never
+        wait for each other in opposite orders. A peer that does not answer within
+        ``transfer_timeout_s`` fails ``init()`` as a late exchange would."""
+        import torch
+
+        group = self._group
+        assert group is not None
+        t0 = time.monotonic()
+        timeout = self.connector.config.transfer_timeout_s
+        attention = self._attention
+        a2f, f2a = group.nccl[A2F], group.nccl[F2A]
+        for peer in sorted(self.connector.peers):
+            one = torch.zeros(1, device=self._device)
+            steps = (
+                ((a2f, "send", "sending to"), (f2a, "recv", "receiving from"))
+                if attention
+                else ((a2f, "recv", "receiving from"), (f2a, "send", "sending to"))
+            )
+            for pg, op, action in steps:
+                work = getattr(pg, op)([one if op == "send" else torch.empty_like(one)],
+                                       peer, _DATA_TAG)  # fmt: skip
+                ctx = TransferContext(self.connector, peer, time.monotonic() + timeout, timeout,
+                                      action)  # fmt: skip
+                self._wait_data(work, ctx)
+        logger.info(
+            "%s: NCCL communicators with %d peer(s) set up in %.2f s (both directions)",
+            self.label,
+            len(self.connector.peers),
+            time.monotonic() - t0,
+        )
+
+    def _watch_peer(self, work: Any, peer: int) -> None:
+        try:
+            work.wait(_FOREVER)
+        except RuntimeError as exc:
+            if not self.connector.closed:
+                self._lost[peer] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+    def _map_error(self, exc: BaseException, ctx: TransferContext) -> Exception:
+        """An NCCL error (torch's DistBackendError) aborts the communicators and says so;
+        gloo errors (frames, sentinels) map as on the gloo connector."""
+        text = str(exc)
+        if self.connector.closed or "NCCL" not in text:
+            return super()._map_error(exc, ctx)
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        detail = lines[0]
+        if "Last error:" in lines and lines.index("Last error:") + 1 < len(lines):
+            detail += f" ({lines[lines.index('Last error:') + 1]})"
+        self._fail_nccl(f"NCCL error: {detail}")
+        return AFDPeerLostError(
+            f"{self.label}: NCCL failed while {ctx.action} {self.connector.describe(ctx.peer)}: "
+            f"{detail}; "
+            "the NCCL communicators were aborted, create a new connector"
+        )
+
+    def _fail_nccl(self, reason: str) -> None:
+        """An NCCL operation failed or is late: abort the communicators (queued operations
+        would otherwise run later or trip torch's watchdog); no peer is usable after that."""
+        group = self._group
+        if group is not None:
+            self._abort_nccl(group)
+        for p in self.connector.peers:
+            self.connector.break_peer(p, reason, keep_first=True)
+
+    def _wait_data(self, work: Any, ctx: TransferContext) -> None:
+        import torch
+
+        connector = self.connector
+        while not work.is_completed():
+            if connector.closed:
+                raise ctx.closed_error()
+            lost = self._lost.get(ctx.peer)
+            if lost is not None:
+                self._fail_nccl("its process exited or closed")
+                ctx.break_peer("its process exited or closed")
+                raise ctx.lost_error(lost)
+            if time.monotonic() > ctx.deadline:
+                self._fail_nccl(f"NCCL aborted after a timeout of {ctx.timeout:g} s")
+                raise ctx.timeout_error("; the NCCL communicators were aborted")
+            time.sleep(_NCCL_POLL_S)
+        try:
+            work.wait()
+        except (RuntimeError, torch.distributed.DistError) as exc:
+            raise self._map_error(exc, ctx) from exc
+
+
+class P2pAFDConnector(ExchangeConnector):
+    """Attention <-> FFN point-to-point transfers over a private process group.
+
+    Failure behaviour: a receive that outlives its timeout raises
+    :class:`AFDTimeoutError` (gloo then drops the connection to that peer, so later
+    transfers with it raise :class:`AFDPeerLostError`; NCCL aborts its communicators); a
+    peer process that exits or crashes closes its sockets and the blocked side raises
+    :class:`AFDPeerLostError` at once; ``close()`` (from any thread) makes blocked
+    and later calls raise :class:`AFDConnectorClosedError`. The FFN side's wait for the
+    next step (``recv_from_attention()`` without ``timeout_s``) has no deadline.
+    """
+
+    transport_class: ClassVar[type[Transport]] = GlooTransport
+    transport: GlooTransport
+
     @classmethod
     def check_deployment(
         cls, config: AFDConfig, vllm_config: Any, *, platform: str | None = None
@@ -364,7 +531,7 @@ class P2pAFDConnector(ExchangeConnector):
         through every layer; a message over the limit would fail both roles mid-step.
         """
         extra = cls.validate_extra_config(config.connector_extra_config)
-        if not (cls.backend == "nccl" or extra.get("buffer_pool")):
+        if not (cls.transport_class.backend == "nccl" or extra.get("buffer_pool")):
             return
         sched = getattr(vllm_config, "scheduler_config", None)
         budget = getattr(sched, "max_num_batched_tokens", None)
@@ -381,7 +548,7 @@ class P2pAFDConnector(ExchangeConnector):
 
 def _pool_keys(cls_name: str, extra: Mapping[str, Any], out: dict[str, Any]) -> None:
     """Validate the buffer-pool keys shared by both flavours into ``out``."""
-    out["max_num_tokens"] = _positive_int(
+    out["max_num_tokens"] = positive_int(
         cls_name, "max_num_tokens", extra.get("max_num_tokens", DEFAULT_MAX_NUM_TOKENS)
     )
 
@@ -407,13 +574,11 @@ class P2pGlooAFDConnector(P2pAFDConnector):
     capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities(
         platforms=frozenset({"cpu"})
     )
-    backend: ClassVar[str] = "gloo"
-
-    _KEYS: ClassVar[frozenset[str]] = frozenset({"buffer_pool", "max_num_tokens"})
+    extra_keys: ClassVar[frozenset[str]] = frozenset({"buffer_pool", "max_num_tokens"})
 
     @classmethod
     def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
-        cls._check_extra_keys(extra)
+        cls.check_extra_keys(extra)
         pool = extra.get("buffer_pool", False)
         if not isinstance(pool, bool):
             raise AFDConfigError(
@@ -453,15 +618,15 @@ class P2pNcclAFDConnector(P2pAFDConnector):
     capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities(
         platforms=frozenset({"cuda"})
     )
-    backend: ClassVar[str] = "nccl"
+    transport_class: ClassVar[type[Transport]] = NcclTransport
 
-    _KEYS: ClassVar[frozenset[str]] = frozenset(
+    extra_keys: ClassVar[frozenset[str]] = frozenset(
         {"max_num_tokens", "device", "hidden_size", "dtype"}
     )
 
     @classmethod
     def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
-        cls._check_extra_keys(extra)
+        cls.check_extra_keys(extra)
         out: dict[str, Any] = {
             "device": extra.get("device"),
             "hidden_size": extra.get("hidden_size"),
@@ -478,12 +643,9 @@ class P2pNcclAFDConnector(P2pAFDConnector):
                 f"index >= 0, got {out['device']!r}"
             )
         if out["hidden_size"] is not None:
-            _positive_int(cls.name, "hidden_size", out["hidden_size"])
-        cls._check_dtype(out["dtype"])
+            positive_int(cls.name, "hidden_size", out["hidden_size"])
+        cls.check_dtype(out["dtype"])
         return out
-
-    def _uses_pool(self) -> bool:
-        return True
 
     @property
     def max_num_tokens(self) -> int:
@@ -491,149 +653,12 @@ class P2pNcclAFDConnector(P2pAFDConnector):
 
     def bucket_of(self, num_tokens: int) -> int:
         """The power-of-two bucket that carries ``num_tokens`` rows."""
-        assert self._pool is not None
-        return self._pool.bucket_of(num_tokens)
+        pool = self.transport._pool
+        assert pool is not None
+        return pool.bucket_of(num_tokens)
 
     def buckets(self) -> list[int]:
         """Every bucket: powers of two up to the first one >= ``max_num_tokens``."""
-        assert self._pool is not None
-        return self._pool.buckets()
-
-    def _select_device(self) -> Any:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise AFDConfigError(
-                f"{self.label}: requires CUDA (torch.cuda.is_available() is False); "
-                "use P2pGlooAFDConnector on CPU"
-            )
-        index = self.extra_config["device"]
-        if index is None:
-            index = torch.cuda.current_device()
-        # No torch.cuda.set_device: the model's allocations stay where vLLM put them.
-        return torch.device("cuda", index)
-
-    def _device_identity(self) -> str | None:
-        import torch
-
-        index = self._device.index
-        props = torch.cuda.get_device_properties(index)
-        uuid = getattr(props, "uuid", None)
-        ident = str(uuid) if uuid is not None else f"pci {getattr(props, 'pci_bus_id', index)}"
-        return f"{socket.gethostname()} cuda:{index} ({props.name}, {ident})"
-
-    def _after_join(self, group: DataPlaneGroup) -> None:
-        import torch
-
-        # NCCL never notices a dead peer by itself. Each rank keeps one gloo receive
-        # pending per peer on a tag nobody sends on, waited for by a watcher thread:
-        # when the peer's process dies (or it closes), gloo fails that receive and the
-        # NCCL wait loop sees the peer in ``_lost``. (A gloo work reports completion only
-        # through wait(), so polling is_completed() would never see it.)
-        for peer in self._peers:
-            work = group.gloo.recv([torch.zeros(1, device="cpu")], peer, _SENTINEL_TAG)
-            threading.Thread(
-                target=self._watch_peer,
-                args=(work, peer),
-                name=f"afd-nccl-watch-{peer}",
-                daemon=True,
-            ).start()
-        hidden = self.extra_config["hidden_size"]
-        if hidden is not None and self._pool is not None:
-            spec: _Spec = ((int(hidden),), str(self.extra_config["dtype"]))
-            made = self._pool.preallocate(self._peers, spec, self.config.num_micro_batches)
-            logger.info("%s: preallocated %.1f MiB of receive buffers", self.label, made / 2**20)
-
-    def _join(self) -> None:
-        super()._join()
-        self._warm_up_communicators()
-
-    def _warm_up_communicators(self) -> None:
-        """Set up the NCCL communicator of every (peer, direction) pair now, with one
-        one-element message each way, instead of inside the first real exchange (the
-        Attention role's profiling run). torch creates a pair's communicator at its first
-        operation, together on both ranks, blocking: every rank visits its pairs in the
-        same global order (attention rank, FFN rank, A->F before F->A), so two ranks never
-        wait for each other in opposite orders. A peer that does not answer within
-        ``transfer_timeout_s`` fails ``init()`` as a late exchange would."""
-        import torch
-
-        group = self._group
-        assert group is not None
-        t0 = time.monotonic()
-        timeout = self.config.transfer_timeout_s
-        attention = self.role is AFDRole.ATTENTION
-        a2f, f2a = group.nccl[A2F], group.nccl[F2A]
-        for peer in sorted(self._peers):
-            one = torch.zeros(1, device=self._device)
-            steps = (
-                ((a2f, "send", "sending to"), (f2a, "recv", "receiving from"))
-                if attention
-                else ((a2f, "recv", "receiving from"), (f2a, "send", "sending to"))
-            )
-            for pg, op, action in steps:
-                work = getattr(pg, op)([one if op == "send" else torch.empty_like(one)],
-                                       peer, _DATA_TAG)  # fmt: skip
-                self._wait_data(work, peer, time.monotonic() + timeout, timeout, action)
-        logger.info(
-            "%s: NCCL communicators with %d peer(s) set up in %.2f s (both directions)",
-            self.label,
-            len(self._peers),
-            time.monotonic() - t0,
-        )
-
-    def _watch_peer(self, work: Any, peer: int) -> None:
-        try:
-            work.wait(_FOREVER)
-        except RuntimeError as exc:
-            if not self._closed:
-                self._lost[peer] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-
-    def _map_error(self, exc: BaseException, peer: int, timeout: float, action: str) -> Exception:
-        """An NCCL error (torch's DistBackendError) aborts the communicators and says so;
-        gloo errors (frames, sentinels) map as on the gloo connector."""
-        text = str(exc)
-        if self._closed or "NCCL" not in text:
-            return super()._map_error(exc, peer, timeout, action)
-        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-        detail = lines[0]
-        if "Last error:" in lines and lines.index("Last error:") + 1 < len(lines):
-            detail += f" ({lines[lines.index('Last error:') + 1]})"
-        self._fail_nccl(f"NCCL error: {detail}")
-        return AFDPeerLostError(
-            f"{self.label}: NCCL failed while {action} {self._describe(peer)}: {detail}; "
-            "the NCCL communicators were aborted, create a new connector"
-        )
-
-    def _fail_nccl(self, reason: str) -> None:
-        """An NCCL operation failed or is late: abort the communicators (queued operations
-        would otherwise run later or trip torch's watchdog); no peer is usable after that."""
-        group = self._group
-        if group is not None:
-            self._abort_nccl(group)
-        for p in self._peers:
-            self._broken.setdefault(p, reason)
-
-    def _wait_data(
-        self, work: Any, peer: int, deadline: float, timeout: float, action: str
-    ) -> None:
-        import torch
-
-        while not work.is_completed():
-            if self._closed:
-                raise self._closed_error(peer, action)
-            lost = self._lost.get(peer)
-            if lost is not None:
-                self._fail_nccl("its process exited or closed")
-                self._broken[peer] = "its process exited or closed"
-                raise self._gone_error(peer, action, lost)
-            if time.monotonic() > deadline:
-                self._fail_nccl(f"NCCL aborted after a timeout of {timeout:g} s")
-                raise self._timeout_error(
-                    peer, timeout, action, "; the NCCL communicators were aborted"
-                )
-            time.sleep(_NCCL_POLL_S)
-        try:
-            work.wait()
-        except (RuntimeError, torch.distributed.DistError) as exc:
-            raise self._map_error(exc, peer, timeout, action) from exc
+        pool = self.transport._pool
+        assert pool is not None
+        return pool.buckets()

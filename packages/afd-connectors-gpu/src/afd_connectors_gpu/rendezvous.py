@@ -13,7 +13,8 @@ This does what ``vllm.distributed.utils.stateless_init_torch_distributed_process
 does (a process group that never becomes torch's default group, so it coexists
 with the world group vLLM sets up in its workers), but it builds the gloo backend
 directly from torch: importing vLLM costs ~4 s per process, which the connector
-does not need, and the join step above wants the store itself.
+does not need, and the join step above wants the store itself. (Over 400 lines: the
+store, admission, join and barrier steps read as one sequence.)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ __all__ = [
     "describe_global_rank",
     "join_data_plane",
     "join_store",
+    "wait_for_keys",
 ]
 
 _POLL_S = 0.02
@@ -92,7 +94,7 @@ def check_distinct_devices(topology: AFDTopology, devices: Sequence[str]) -> Non
         seen[ident] = g
 
 
-def _wait_for_keys(
+def wait_for_keys(
     store: Any,
     keys: Sequence[str],
     ranks: Sequence[int],
@@ -250,7 +252,7 @@ def join_store(
     afd_store = PrefixStore(f"{session}/{prefix}", store)
     ranks = list(range(world))
     afd_store.set(f"join/{global_rank}", device_identity or "")
-    _wait_for_keys(
+    wait_for_keys(
         afd_store,
         [f"join/{g}" for g in ranks],
         ranks,
@@ -269,7 +271,7 @@ def join_store(
     except AFDConfigError:
         if is_master:  # the others are reading the list from this rank's store
             with contextlib.suppress(AFDTimeoutError):
-                _wait_for_keys(
+                wait_for_keys(
                     afd_store,
                     [f"devices-read/{g}" for g in ranks],
                     ranks,
@@ -297,7 +299,7 @@ def barrier(
     """Every rank sets ``name/<rank>`` and waits for all the others (missing ones named)."""
     ranks = list(range(topology.world_size))
     store.set(f"{name}/{global_rank}", "1")
-    _wait_for_keys(store, [f"{name}/{g}" for g in ranks], ranks, deadline, what, topology, where)
+    wait_for_keys(store, [f"{name}/{g}" for g in ranks], ranks, deadline, what, topology, where)
 
 
 def join_data_plane(
@@ -386,7 +388,7 @@ def _build_backends(
     # Nobody leaves init (and attention rank 0 may not take the store down) before
     # every rank has finished building its backends.
     afd_store.set(f"ready/{global_rank}", "1")
-    _wait_for_keys(
+    wait_for_keys(
         afd_store,
         [f"ready/{g}" for g in ranks],
         ranks,
@@ -399,7 +401,7 @@ def _build_backends(
     # barrier above, so closing right after init cannot strand a rank mid-poll.
     afd_store.set(f"seen/{global_rank}", "1")
     if is_master:
-        _wait_for_keys(
+        wait_for_keys(
             afd_store,
             [f"seen/{g}" for g in ranks],
             ranks,

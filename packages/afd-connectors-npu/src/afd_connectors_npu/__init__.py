@@ -7,10 +7,10 @@ when a connector's ``init()`` builds its :class:`~afd_connectors_npu.ops.CAMOps`
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from afd_connectors_npu._version import __version__
+from afd_core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from afd_connectors_npu.camasync import CAMAsyncAFDConnector
@@ -51,14 +51,4 @@ __all__ = [
 assert set(__all__) == {"__version__", *_EXPORTS}
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'afd_connectors_npu' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

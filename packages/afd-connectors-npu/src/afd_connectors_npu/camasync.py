@@ -20,17 +20,44 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from afd_connectors_npu.exchange import CAMConnector
-from afd_connectors_npu.ops import A2EMessage, CAMHandle, CAMOps, CAMOpsFactory, E2AMessage
+from afd_connectors_npu.exchange import CAMConnector, CAMTransport
+from afd_connectors_npu.ops import A2EMessage, CAMHandle, CAMOps, E2AMessage
 from afd_connectors_npu.routing import A2EMeta, E2AMeta
 from afd_core.config import AFDConfig, AFDRole, RoutingPayload
 from afd_core.connector import ConnectorCapabilities
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
+from afd_core.exchange import ExchangeConnector, Transport
 from afd_core.transfer import AttentionToFFN, FFNToAttention, PayloadKind
 
-__all__ = ["CAMAsyncAFDConnector"]
+__all__ = ["CAMAsyncAFDConnector", "CAMAsyncTransport"]
 
 _NEEDS = "CAMAsync needs afd.compute_gate_on_attention=true and afd.routing_payload='topk'"
+
+
+class CAMAsyncTransport(CAMTransport):
+    """Dispatch (non-blocking, settled when its answer arrives) and combine operators."""
+
+    def __init__(self, connector: ExchangeConnector) -> None:
+        super().__init__(connector)
+        # (layer, micro-batch) -> dispatch in flight, settled when its answer arrives.
+        self._inflight: dict[tuple[int, int], CAMHandle] = {}
+
+    def _post_a2f(self, ops: CAMOps, peer: int, message: A2EMessage, key: tuple[int, int]) -> None:
+        self._inflight[key] = ops.dispatch_send(peer, message)
+
+    def _take_a2f(self, ops: CAMOps, peer: int, timeout: float) -> A2EMessage:
+        return ops.dispatch_recv(peer, timeout_s=timeout)
+
+    def _post_f2a(self, ops: CAMOps, peer: int, message: E2AMessage) -> None:
+        ops.combine_send(peer, message, timeout_s=self.connector.config.transfer_timeout_s)
+
+    def _take_f2a(self, ops: CAMOps, peer: int, timeout: float) -> E2AMessage:
+        return ops.combine_recv(peer, timeout_s=timeout)
+
+    def _settle_send(self, key: tuple[int, int], timeout: float) -> None:
+        handle = self._inflight.pop(key, None)
+        if handle is not None:
+            handle.wait(timeout)
 
 
 class CAMAsyncAFDConnector(CAMConnector):
@@ -46,12 +73,8 @@ class CAMAsyncAFDConnector(CAMConnector):
         payload_kinds=frozenset({PayloadKind.HIDDEN_TOPK}),
     )
 
-    def __init__(
-        self, config: AFDConfig, *, rank: int, ops_factory: CAMOpsFactory | None = None
-    ) -> None:
-        super().__init__(config, rank=rank, ops_factory=ops_factory)
-        # (layer, micro-batch) -> dispatch in flight, settled when its answer arrives.
-        self._inflight: dict[tuple[int, int], CAMHandle] = {}
+    transport_class: ClassVar[type[Transport]] = CAMAsyncTransport
+    transport: CAMAsyncTransport
 
     def _check_config(self, config: AFDConfig) -> None:
         if not config.compute_gate_on_attention:
@@ -93,25 +116,8 @@ class CAMAsyncAFDConnector(CAMConnector):
                 "expected OUTPUT (shared experts run on the Attention role with CAMAsync)"
             )
 
-    def _post_a2f(self, ops: CAMOps, peer: int, message: A2EMessage, key: tuple[int, int]) -> None:
-        self._inflight[key] = ops.dispatch_send(peer, message)
-
-    def _take_a2f(self, ops: CAMOps, peer: int, timeout: float) -> A2EMessage:
-        return ops.dispatch_recv(peer, timeout_s=timeout)
-
-    def _post_f2a(self, ops: CAMOps, peer: int, message: E2AMessage) -> None:
-        ops.combine_send(peer, message, timeout_s=self.config.transfer_timeout_s)
-
-    def _take_f2a(self, ops: CAMOps, peer: int, timeout: float) -> E2AMessage:
-        return ops.combine_recv(peer, timeout_s=timeout)
-
-    def _settle_send(self, key: tuple[int, int], timeout: float) -> None:
-        handle = self._inflight.pop(key, None)
-        if handle is not None:
-            handle.wait(timeout)
-
     def pending_dispatches(self) -> int:
         """Dispatches sent whose combined answer has not been received yet."""
         if self.role is not AFDRole.ATTENTION:
             return 0
-        return len(self._inflight)
+        return len(self.transport._inflight)

@@ -15,20 +15,38 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from afd_connectors_npu.exchange import CAMConnector
+from afd_connectors_npu.exchange import CAMConnector, CAMTransport
 from afd_connectors_npu.ops import A2EMessage, CAMOps, E2AMessage
 from afd_core.config import AFDConfig, RoutingPayload
 from afd_core.connector import ConnectorCapabilities
 from afd_core.errors import AFDConfigError
+from afd_core.exchange import Transport
 from afd_core.transfer import AttentionToFFN, PayloadKind
 
-__all__ = ["CAMP2pAFDConnector"]
+__all__ = ["CAMP2pAFDConnector", "CAMP2pTransport"]
+
+
+class CAMP2pTransport(CAMTransport):
+    """A2E / E2A operators, both blocking."""
+
+    def _post_a2f(self, ops: CAMOps, peer: int, message: A2EMessage, key: tuple[int, int]) -> None:
+        ops.a2e_send(peer, message, timeout_s=self.connector.config.transfer_timeout_s)
+
+    def _take_a2f(self, ops: CAMOps, peer: int, timeout: float) -> A2EMessage:
+        return ops.a2e_recv(peer, timeout_s=timeout)
+
+    def _post_f2a(self, ops: CAMOps, peer: int, message: E2AMessage) -> None:
+        ops.e2a_send(peer, message, timeout_s=self.connector.config.transfer_timeout_s)
+
+    def _take_f2a(self, ops: CAMOps, peer: int, timeout: float) -> E2AMessage:
+        return ops.e2a_recv(peer, timeout_s=timeout)
 
 
 class CAMP2pAFDConnector(CAMConnector):
     """Synchronous CAM connector: A2E / E2A operators, one message each way per layer."""
 
     name: ClassVar[str] = "CAMP2pAFDConnector"
+    transport_class: ClassVar[type[Transport]] = CAMP2pTransport
     capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities(
         platforms=frozenset({"npu"}),
         platform_runners=True,
@@ -54,15 +72,3 @@ class CAMP2pAFDConnector(CAMConnector):
                 "is false (the FFN role runs the gate); set afd.compute_gate_on_attention=true "
                 "on both roles or send hidden states only"
             )
-
-    def _post_a2f(self, ops: CAMOps, peer: int, message: A2EMessage, key: tuple[int, int]) -> None:
-        ops.a2e_send(peer, message, timeout_s=self.config.transfer_timeout_s)
-
-    def _take_a2f(self, ops: CAMOps, peer: int, timeout: float) -> A2EMessage:
-        return ops.a2e_recv(peer, timeout_s=timeout)
-
-    def _post_f2a(self, ops: CAMOps, peer: int, message: E2AMessage) -> None:
-        ops.e2a_send(peer, message, timeout_s=self.config.transfer_timeout_s)
-
-    def _take_f2a(self, ops: CAMOps, peer: int, timeout: float) -> E2AMessage:
-        return ops.e2a_recv(peer, timeout_s=timeout)

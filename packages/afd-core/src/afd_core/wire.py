@@ -1,4 +1,4 @@
-"""The frame that precedes every message of the P2P connectors.
+"""The frame that precedes every message of the exchange protocol (:mod:`afd_core.exchange`).
 
 A frame is ``FRAME_LEN`` int64 values: the :class:`~afd_core.transfer.TransferHeader`
 (``TransferHeader.encode()``, 8 values) followed by words this transport adds:
