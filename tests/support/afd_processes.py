@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from afd.runtime.ffn_server import READY_MARKER
 from afd.launch.processes import RoleProcess as LaunchedRole
 from afd.launch.processes import stop_groups
 from afd.launch.readiness import NATIVE
+from afd.runtime.ffn_server import READY_MARKER
 from afd_core.procfs import group_members
 
 _SERIAL = itertools.count()
