@@ -29,6 +29,9 @@ token authenticates who joins; the tensor traffic itself is not encrypted.
 
 The store is anything with ``set``, ``get``, ``check`` and ``add`` (a
 ``torch.distributed.TCPStore``); nothing here imports torch.
+
+Over 400 lines on purpose: the host's desk and the joining rank's side of the protocol
+live together, so each message has one definition.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ Every message carries a :class:`TransferHeader` so that a receiver can tell whic
 layer, micro-batch and shape it got and fail loudly on a mismatch instead of
 silently computing the wrong layer. This module imports no tensor library:
 tensors are described structurally by :class:`TensorLike`.
+
+Over 400 lines on purpose: every wire contract of both messages (kinds, layouts,
+headers, validation) in one place, so a receiver checks against the definitions a sender
+builds from.
 """
 
 from __future__ import annotations

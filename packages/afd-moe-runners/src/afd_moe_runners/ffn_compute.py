@@ -26,6 +26,9 @@ Before it serves, the FFN role runs every layer once on a dummy batch of the pay
 it will receive (:meth:`FFNLayerCompute.warm_up`), so that first-call costs (oneDNN
 packing and allocator growth on CPU, kernel JIT and autotuning on CUDA) are paid before
 the Attention role's profiling run, not inside it.
+
+Over 400 lines on purpose: one class, its dispatch per payload kind and the warm-up that
+must build exactly those payloads.
 """
 
 from __future__ import annotations

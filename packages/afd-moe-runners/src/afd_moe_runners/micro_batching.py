@@ -36,6 +36,9 @@ Nothing here depends on the device: the same scheduler runs wherever the connect
 send/receive are blocking calls (gloo and shared memory on CPU, NCCL on CUDA). On CUDA
 the micro-batch threads run on their starter's device and stream
 (:mod:`afd_moe_runners.micro_batch_threads`).
+
+Over 400 lines on purpose: the plan, the runner mixin and the scheduler share the step's
+forward-context state, which this module alone owns.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ experts) makes the model unsupported, with the reason per layer, instead of gues
 The plan says which module to build, replace or drop per role
 (:mod:`afd_moe_runners.generic`), which role owns each checkpoint tensor, and how to
 take a role's parameter inventory.
+
+Over 400 lines on purpose: the split rules and their refusal messages are one decision
+procedure, read together.
 """
 
 from __future__ import annotations

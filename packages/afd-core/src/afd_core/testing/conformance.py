@@ -17,6 +17,9 @@ picklable data; its ``check`` runs in the test process over the results of all
 ranks. The FFN side computes ``out = hidden * 2 + layer_idx`` so that any
 mix-up of layers, micro-batches or attention ranks changes the numbers. Needs
 torch.
+
+Over 400 lines on purpose: the scenarios are the suite; each scenario's rank function
+stays next to its check.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ tested) on CPU:
 No state is stored on upstream objects between calls: the routing is an argument
 and a return value, the previous comm is restored and the per-token state is
 released on every exit path.
+
+Over 400 lines on purpose: the comm flow, its three Protocols and their CPU stand-ins are
+one contract; split apart, the stand-ins would drift from what they stand in for.
 """
 
 from __future__ import annotations
