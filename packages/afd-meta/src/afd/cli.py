@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from afd._version import __version__
 
@@ -144,51 +146,54 @@ def build_parser() -> argparse.ArgumentParser:
     conn = sub.add_parser("connectors", help="list the installed AFD connectors")
     conn.set_defaults(func=_cmd_connectors)
 
-    from afd.tools.profile import add_profile_arguments, run_profile
-
-    prof = sub.add_parser(
-        "profile",
-        help="merge an AFD_PROFILE_DIR into a Perfetto trace and a per-step summary",
-        description="Merge the per-layer spans that AFD processes wrote to AFD_PROFILE_DIR "
-        "into DIR/trace.json (Perfetto / chrome://tracing) and DIR/summary.json, print ms "
-        "per step by category for both roles, and optionally draw one step.",
-    )
-    add_profile_arguments(prof)
-    prof.set_defaults(func=run_profile)
-
     from afd.launch import add_launch_arguments
     from afd.tools.bench import add_bench_arguments
     from afd.tools.demo import add_demo_arguments
+    from afd.tools.profile import add_profile_arguments, run_profile
 
-    launch = sub.add_parser(
-        "launch",
-        help="start a whole AFD deployment (FFN + Attention servers) until interrupted",
-        description="Start the FFN server(s), then the Attention server(s), wait until all "
-        "are ready, print the endpoints and run until Ctrl-C / SIGTERM (which stops every "
-        "role). Settings come from a TOML spec file and/or flags (flags win).",
-    )
-    add_launch_arguments(launch)
-    launch.set_defaults(func=_cmd_launch)
-
-    demo = sub.add_parser(
-        "demo",
-        help="tiny DeepSeek-V2 on 1 Attention + 1 FFN server vs native vLLM (token parity)",
-        description="Generate a tiny DeepSeek-V2 checkpoint (cached), serve it with 1 "
-        "Attention + 1 FFN server, generate greedily for fixed prompts, then serve it "
-        "natively with the same engine args and compare the token ids. Exit 0 on PASS.",
-    )
-    add_demo_arguments(demo)
-    demo.set_defaults(func=_cmd_demo)
-
-    bench = sub.add_parser(
-        "bench",
-        help="AFD 1A1F vs native vLLM: throughput, TTFT, TPOT per concurrency",
-        description="Run the same streaming workload against a native vLLM server and an "
-        "AFD 1 Attention + 1 FFN deployment (one after the other) and report output "
-        "tok/s, TTFT and TPOT (median, p99) and the AFD/native ratio; writes JSON + PNG.",
-    )
-    add_bench_arguments(bench)
-    bench.set_defaults(func=_cmd_bench)
+    # (name, help, description, adds its arguments, runs it)
+    commands: list[tuple[str, str, str, Callable[[Any], None], Callable[[Any], int]]] = [
+        (
+            "profile",
+            "merge an AFD_PROFILE_DIR into a Perfetto trace and a per-step summary",
+            "Merge the per-layer spans that AFD processes wrote to AFD_PROFILE_DIR into "
+            "DIR/trace.json (Perfetto / chrome://tracing) and DIR/summary.json, print ms per "
+            "step by category for both roles, and optionally draw one step.",
+            add_profile_arguments,
+            run_profile,
+        ),
+        (
+            "launch",
+            "start a whole AFD deployment (FFN + Attention servers) until interrupted",
+            "Start the FFN server(s), then the Attention server(s), wait until all are "
+            "ready, print the endpoints and run until Ctrl-C / SIGTERM (which stops every "
+            "role). Settings come from a TOML spec file and/or flags (flags win).",
+            add_launch_arguments,
+            _cmd_launch,
+        ),
+        (
+            "demo",
+            "tiny DeepSeek-V2 on 1 Attention + 1 FFN server vs native vLLM (token parity)",
+            "Generate a tiny DeepSeek-V2 checkpoint (cached), serve it with 1 Attention + 1 "
+            "FFN server, generate greedily for fixed prompts, then serve it natively with "
+            "the same engine args and compare the token ids. Exit 0 on PASS.",
+            add_demo_arguments,
+            _cmd_demo,
+        ),
+        (
+            "bench",
+            "AFD 1A1F vs native vLLM: throughput, TTFT, TPOT per concurrency",
+            "Run the same streaming workload against a native vLLM server and an AFD 1 "
+            "Attention + 1 FFN deployment (one after the other) and report output tok/s, "
+            "TTFT and TPOT (median, p99) and the AFD/native ratio; writes JSON + PNG.",
+            add_bench_arguments,
+            _cmd_bench,
+        ),
+    ]
+    for name, help_text, description, add_arguments, run in commands:
+        parser = sub.add_parser(name, help=help_text, description=description)
+        add_arguments(parser)
+        parser.set_defaults(func=run)
     return ap
 
 
