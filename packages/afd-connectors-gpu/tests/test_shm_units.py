@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from afd_connectors_gpu.shm import P2pShmAFDConnector
+from afd_connectors_gpu.testing import shm_pair
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDConfigError, AFDConnectorError
 from afd_core.registry import get_connector_class
@@ -79,37 +80,6 @@ def test_calls_before_init_fail_clearly() -> None:
     assert not conn.is_initialized
 
 
-def _pair(**extra):
-    """An attention and an FFN shm connector in this process (rings need no second one)."""
-    import threading
-
-    from afd_connectors_gpu.testing import free_port
-
-    port = free_port()
-    made: dict[str, P2pShmAFDConnector] = {}
-    errors: list[BaseException] = []
-
-    def join(role: str) -> None:
-        try:
-            config = AFDConfig(
-                role=role, connector="P2pShmAFDConnector", port=port, connect_timeout_s=30,
-                connector_extra_config=extra,
-            )  # fmt: skip
-            conn = P2pShmAFDConnector(config, rank=0)
-            conn.init()
-            made[role] = conn
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=join, args=(r,)) for r in ("attention", "ffn")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return made["attention"], made["ffn"]
-
-
 def test_hot_path_reuses_receive_buffers_and_moves_any_layout() -> None:
     """Receives of one shape and micro-batch land in one buffer (nothing allocated per
     layer); another micro-batch gets its own; sent tensors may be non-contiguous."""
@@ -117,7 +87,7 @@ def test_hot_path_reuses_receive_buffers_and_moves_any_layout() -> None:
 
     from afd_core.transfer import AttentionToFFN, FFNToAttention
 
-    attn, ffn = _pair(slot_bytes=1 << 20)
+    attn, ffn = shm_pair(slot_bytes=1 << 20)
     try:
         ptrs: dict[str, set[int]] = {"a2f": set(), "f2a": set(), "mb1": set()}
         kept = []  # every received tensor stays referenced: fresh ones could not share memory

@@ -28,6 +28,7 @@ from afd.launch import (
     split_cpus,
     usable_cpus,
 )
+from afd.launch.cpus import SHARED_OMP_ENV
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -210,8 +211,8 @@ def _binds(roles: dict[str, RoleProcess]) -> dict[str, str | None]:
 @pytest.mark.parametrize(
     ("num_attention", "num_ffn", "n", "want"),
     [
-        (1, 1, 2, {"attn": "0", "ffn0": "1"}),
-        (1, 1, 8, {"attn": "0-3", "ffn0": "4-7"}),
+        (1, 1, 2, {"attn": "0-1", "ffn0": "0-1"}),  # 1A1F, m = 1: the roles take turns
+        (1, 1, 8, {"attn": "0-7", "ffn0": "0-7"}),
         (2, 1, 4, {"attn": "0|1", "ffn0": "2-3"}),
         (2, 2, 4, {"attn": "0|1", "ffn0": "2", "ffn1": "3"}),
         (2, 2, 8, {"attn": "0-1|2-3", "ffn0": "4-5", "ffn1": "6-7"}),
@@ -290,7 +291,8 @@ def test_the_in_process_ffn_worker_gets_the_omp_settings(
     # starts; the FFN server's worker runs in the FFN process itself.
     for var in ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND", "LD_PRELOAD"):
         monkeypatch.delenv(var, raising=False)
-    roles = _built(DeploymentSpec(model="/m"), tmp_path, list(range(4)))
+    split = DeploymentSpec(model="/m", afd={"num_micro_batches": 2})  # roles overlap
+    roles = _built(split, tmp_path, list(range(4)))
     ffn = roles["ffn0"].env
     assert (ffn[BIND], ffn["OMP_NUM_THREADS"], ffn["OMP_PLACES"]) == ("2-3", "2", "{2,3}")
     assert ffn["OMP_PROC_BIND"] == "true"
@@ -306,6 +308,37 @@ def test_the_in_process_ffn_worker_gets_the_omp_settings(
                        (DeploymentSpec(model="/m"), [0])):  # fmt: skip
         ffn = _built(spec, tmp_path, cpus)["ffn0"].env
         assert "OMP_PLACES" not in ffn and "OMP_NUM_THREADS" not in ffn
+
+
+def test_roles_that_take_turns_share_every_cpu_and_stop_spinning_soon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1A1F with one micro-batch: both roles on every usable CPU, OpenMP threads that
+    sleep soon after a parallel region; roles that compute at the same time keep their
+    own CPUs and vLLM's OpenMP defaults; the user's settings win."""
+    for var in SHARED_OMP_ENV:
+        monkeypatch.delenv(var, raising=False)
+    cpus = list(range(4))
+    roles = _built(DeploymentSpec(model="/m"), tmp_path, cpus)
+    for role in roles.values():
+        assert role.env[BIND] == "0-3"
+        assert {k: role.env.get(k) for k in SHARED_OMP_ENV} == SHARED_OMP_ENV
+    assert roles["ffn0"].env["OMP_NUM_THREADS"] == "4"
+    for spec in (
+        DeploymentSpec(model="/m", afd={"num_micro_batches": 2}),
+        DeploymentSpec(model="/m", num_attention=2),
+        DeploymentSpec(model="/m", attention={"cpus": "0-1"}),  # given: split the rest
+    ):
+        for role in _built(spec, tmp_path, cpus).values():
+            assert not any(k in role.env for k in SHARED_OMP_ENV), (spec, role.name)
+    # explicit overlapping CPUs are shared too, so they get the OpenMP settings
+    spec = DeploymentSpec(model="/m", attention={"cpus": "0-1"}, ffn={"cpus": "1-2"})
+    assert all(r.env["GOMP_SPINCOUNT"] == "30000" for r in _built(spec, tmp_path, cpus).values())
+    # the spec's and the launcher's environment win
+    spec = DeploymentSpec(model="/m", ffn={"env": {"GOMP_SPINCOUNT": "7"}})
+    assert _built(spec, tmp_path, cpus)["ffn0"].env["GOMP_SPINCOUNT"] == "7"
+    monkeypatch.setenv("KMP_BLOCKTIME", "9")
+    assert _built(DeploymentSpec(model="/m"), tmp_path, cpus)["attn"].env["KMP_BLOCKTIME"] == "9"
 
 
 # ---------------------------------------------------------------- connector
@@ -341,8 +374,18 @@ def test_default_connector_is_shared_memory_unless_set(tmp_path: Path) -> None:
             [],
             [
                 "connector: P2pShmAFDConnector (same-host default)",
-                f"cpus ({BIND} per role): attn=0, ffn0=1 (2 usable: 0-1)",
+                f"cpus ({BIND} per role): attn=0-1, ffn0=0-1 (2 usable: 0-1)",
+                "cpus: the roles take turns (1 attention rank, 1 FFN rank, one micro-batch), "
+                "so both use every usable CPU; OpenMP threads sleep soon after work "
+                "(GOMP_SPINCOUNT=30000, KMP_BLOCKTIME=1). Set [attention] / [ffn] cpus to "
+                "split them.",
             ],
+        ),
+        (
+            {"afd": {"num_afd_stages": 2}},
+            [0, 1],
+            [],
+            [f"cpus ({BIND} per role): attn=0, ffn0=1 (2 usable: 0-1)"],
         ),
         (
             {"afd": {"connector": "P2pGlooAFDConnector"}, "ffn": {"cpus": "0"}},

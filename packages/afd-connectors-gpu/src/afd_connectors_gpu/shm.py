@@ -17,8 +17,10 @@ Ring layout (one shared-memory segment)::
     [512 + i * slot_bytes)   slot i (i = seq % num_slots): 16-int64 frame, padding,
                              then the tensors at 64-byte aligned offsets
 
-A waiter spins (yielding the CPU) for ``spin_us`` and then sleeps in growing steps
-(50 us .. 1 ms), checking on the way whether the connector was closed (then
+A waiter spins (yielding the CPU) for ``spin_us`` (default 0) and then sleeps in the
+kernel on the ring counter the peer bumps next (:mod:`afd_connectors_gpu.futex`; the peer
+wakes it right after publishing), or, without futexes, in growing steps (50 us .. 1 ms).
+Between sleeps (at most 20 ms each) it checks whether the connector was closed (then
 :class:`AFDConnectorClosedError`), whether the peer marked its side of the ring closed
 or its process is gone (``/proc/<pid>/stat``: missing, zombie, or a different start
 time; then :class:`AFDPeerLostError`), and the deadline (:class:`AFDTimeoutError`).
@@ -47,6 +49,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
+from afd_connectors_gpu import futex
 from afd_connectors_gpu.rendezvous import barrier, join_store, wait_for_keys
 from afd_core.connector import ConnectorCapabilities
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
@@ -129,6 +132,9 @@ class _Ring:
         self.ctl = memoryview(mm)[:_CTL_BYTES].cast("q")
         self.bytes = memoryview(mm)  # byte views of the slots (receive plans)
         self.data: Any = torch.frombuffer(mm, dtype=torch.uint8)
+        base = int(self.data.data_ptr())
+        # Futex words: a reader sleeps on write_seq, a writer (ring full) on read_seq.
+        self.futex_of = {w: futex.low_word_address(base + 8 * w) for w in (_WRITE_W, _READ_W)}
         self.unlinked = False
         self._views: dict[tuple[Any, ...], Any] = {}
         # (slot start, tokens, specs[, micro-batch]) -> where each tensor of a message goes
@@ -230,11 +236,21 @@ class _Ring:
         _FENCE()
         self.ctl[_WRITE_W] = self.ctl[_WRITE_W] + 1
         _FENCE()
+        if futex.AVAILABLE:
+            futex.wake(self.futex_of[_WRITE_W])
 
     def consume(self) -> None:
         _FENCE()
         self.ctl[_READ_W] = self.ctl[_READ_W] + 1
         _FENCE()
+        if futex.AVAILABLE:
+            futex.wake(self.futex_of[_READ_W])
+
+    def wake_all(self) -> None:
+        """Wake whoever sleeps on this ring (its closed flags just changed)."""
+        if futex.AVAILABLE and self.data is not None:
+            for address in self.futex_of.values():
+                futex.wake(address)
 
 
 class ShmTransport(Transport):
@@ -374,8 +390,11 @@ class ShmTransport(Transport):
         c = self.connector
         if self._desk is not None:
             self._desk.stop()
-        # Operations in other threads see `closed` within a millisecond and leave;
-        # only then may the rings be written to for the last time and unmapped.
+        # Operations in other threads see `closed` within a millisecond (sleepers once
+        # woken) and leave; only then may the rings be written to for the last time and
+        # unmapped.
+        for ring in [*self._out.values(), *self._in.values()]:
+            ring.wake_all()
         drain = time.monotonic() + _CLOSE_DRAIN_S
         while c.operations_in_progress and time.monotonic() < drain:
             time.sleep(0.0005)
@@ -395,6 +414,8 @@ class ShmTransport(Transport):
         for ring in self._in.values():
             ring.ctl[_READER_CLOSED_W] = 1
         _fence()
+        for ring in [*self._out.values(), *self._in.values()]:
+            ring.wake_all()
         self._release_rings()
         self._store = None
         self.ready = False
@@ -415,9 +436,17 @@ class ShmTransport(Transport):
         return now is None or (bool(start) and bool(now) and now != start)
 
     def _wait(
-        self, ready: Callable[[], bool], peer_closed: Callable[[], bool], ctx: TransferContext
+        self,
+        ready: Callable[[], bool],
+        peer_closed: Callable[[], bool],
+        ctx: TransferContext,
+        ring: _Ring,
+        word: int,
     ) -> None:
-        """Spin, then sleep, until ``ready()``; raise on close, peer loss or timeout."""
+        """Spin, then sleep, until ``ready()``; raise on close, peer loss or timeout.
+
+        Sleeping is on the futex of ``ring``'s control word ``word`` (the counter the peer
+        bumps when it makes ``ready()`` true), or in growing steps without futexes."""
         if ready():
             return
         connector = self.connector
@@ -450,6 +479,11 @@ class ShmTransport(Transport):
                     os.sched_yield()
                     if ready():
                         return
+            elif futex.AVAILABLE:
+                seen = ring.ctl[word]
+                if ready():
+                    return
+                futex.wait(ring.futex_of[word], seen, min(next_check, ctx.deadline) - now + 1e-4)
             else:
                 time.sleep(pause)
                 pause = min(pause * 2, _SLEEP_MAX_S)
@@ -465,7 +499,7 @@ class ShmTransport(Transport):
             plan = self._write_plan(ring, ctx.peer, key)
         if not ring.writable():
             ctx.action = "sending to (all ring slots full)"
-            self._wait(ring.writable, lambda: bool(ring.ctl[_READER_CLOSED_W]), ctx)
+            self._wait(ring.writable, lambda: bool(ring.ctl[_READER_CLOSED_W]), ctx, ring, _READ_W)
         ring.bytes[base : base + _FRAME_BYTES] = frame.packed
         for dst, t in zip(plan, tensors, strict=True):
             if dst is not None:
@@ -508,7 +542,7 @@ class ShmTransport(Transport):
         """Wait for the next message from ``ctx.peer`` and decode its frame (not consumed)."""
         ring = self._in[ctx.peer]
         if not ring.readable():
-            self._wait(ring.readable, lambda: bool(ring.ctl[_WRITER_CLOSED_W]), ctx)
+            self._wait(ring.readable, lambda: bool(ring.ctl[_WRITER_CLOSED_W]), ctx, ring, _WRITE_W)
         start = ring.read_slot()
         raw = ring.bytes[start : start + _FRAME_BYTES].tobytes()
         frame = self._frames.get(raw)
@@ -650,10 +684,13 @@ class P2pShmAFDConnector(ExchangeConnector):
       ``slot_bytes`` (int, optional): slot size in bytes (wins over the above; default
       32 MiB when ``hidden_size`` is not given).
       ``num_slots`` (int, default ``max(4, 2 * num_micro_batches)``): messages a ring holds.
-      ``spin_us`` (int, default 20000): how long a waiter spins before it sleeps. Every
-      wait inside a step (the other role's compute of one layer) fits in it, so a
-      message is picked up within microseconds; sleeping waiters woke up to 1 ms late
-      (measured: 0.76 ms per layer with 1000, 0.24 with 20000, see docs/performance.md).
+      ``spin_us`` (int, default 0): how long a waiter spins (yielding its CPU) before it
+      sleeps on the ring's futex. A sleeping waiter is woken by the sender within a
+      wake-up and leaves its CPU to the other role meanwhile, which matters when the
+      roles share CPUs (the launcher's 1A1F default on a CPU host): spinning there took
+      CPU time from the role computing (c = 16, 2 vCPUs shared: 211 tok/s spinning
+      5 ms, 297 spinning 0.5 ms, each then sleeping in growing steps; 386 sleeping on
+      the futex at once; docs/bench/2026-12-03-turn-taking.md).
     """
 
     name: ClassVar[str] = "P2pShmAFDConnector"
@@ -688,7 +725,7 @@ class P2pShmAFDConnector(ExchangeConnector):
             "dtype": extra.get("dtype", "bfloat16"),
             "slot_bytes": extra.get("slot_bytes"),
             "num_slots": extra.get("num_slots"),
-            "spin_us": extra.get("spin_us", 20000),
+            "spin_us": extra.get("spin_us", 0),
         }
         for key in ("hidden_size", "slot_bytes", "num_slots"):
             if out[key] is not None:

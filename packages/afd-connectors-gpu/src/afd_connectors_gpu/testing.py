@@ -31,7 +31,7 @@ from afd_core.config import AFDRole
 from afd_core.errors import AFDPeerLostError, AFDTimeoutError
 from afd_core.topology import AFDTopology
 
-__all__ = ["ProcessHarness", "free_port", "rank_config"]
+__all__ = ["ProcessHarness", "free_port", "rank_config", "shm_pair"]
 
 RankBody = Callable[[Any, Any], Any]
 """``body(connector, RankContext) -> picklable``; must be a module-level function."""
@@ -55,6 +55,43 @@ def rank_config(topology: AFDTopology, global_rank: int, **values: Any) -> Any:
 def free_port(host: str = "127.0.0.1") -> int:
     """A free port outside the ephemeral range (:func:`afd_core.ports.free_port`)."""
     return ports.free_port(host)
+
+
+def shm_pair(**extra: Any) -> tuple[Any, Any]:
+    """``(attention, ffn)``: two joined :class:`~afd_connectors_gpu.shm.P2pShmAFDConnector`
+    of one 1A1F deployment in this process (its rings need no second process), with
+    ``extra`` as their ``connector_extra_config``. Close both when done."""
+    import threading
+
+    from afd_connectors_gpu.shm import P2pShmAFDConnector
+    from afd_core.config import AFDConfig
+
+    port = free_port()
+    made: dict[str, P2pShmAFDConnector] = {}
+    errors: list[BaseException] = []
+
+    def join(role: str) -> None:
+        try:
+            config = AFDConfig(
+                role=role, connector="P2pShmAFDConnector", port=port, connect_timeout_s=30,
+                connector_extra_config=extra,
+            )  # fmt: skip
+            conn = P2pShmAFDConnector(config, rank=0)
+            conn.init()
+            made[role] = conn
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in ("attention", "ffn")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors or len(made) != 2:
+        for conn in made.values():
+            conn.close()
+        raise RuntimeError(f"shm_pair: the connectors did not join: {errors}")
+    return made["attention"], made["ffn"]
 
 
 class _UnpicklableResult(Exception):

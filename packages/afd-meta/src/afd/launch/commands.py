@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from afd.launch.cpus import shares_cpus
 from afd.launch.processes import RoleProcess, role_env
 from afd.launch.readiness import NATIVE
 from afd.launch.spec import DeploymentSpec
@@ -47,6 +48,7 @@ class Layout:
             self.devices.get(name),
             self.cpus.get(name),
             base=self.base_env,
+            shared=shares_cpus(self.cpus, name),
         )
 
     def host(self, spec: DeploymentSpec, name: str) -> str:

@@ -16,12 +16,14 @@ from collections.abc import Iterable, Mapping, Sequence
 
 __all__ = [
     "CPU_BIND",
+    "SHARED_OMP_ENV",
     "assign_cpus",
     "bind_affinity",
     "format_cpu_list",
     "omp_bind_env",
     "parse_cpu_list",
     "share_cpus",
+    "shares_cpus",
     "split_cpus",
     "usable_cpus",
 ]
@@ -30,6 +32,13 @@ CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 # vLLM's own values of VLLM_CPU_OMP_THREADS_BIND besides CPU lists.
 CPU_BIND_KEYWORDS = ("auto", "nobind")
 CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
+#: OpenMP settings of a role process whose CPUs another role process uses too (the roles
+#: of a 1A1F deployment take turns on every CPU, see :func:`afd.launch.placement.plan_cpus`):
+#: its OpenMP threads stop spinning soon after a parallel region (libgomp spins ~300000
+#: times by default, Intel OpenMP 5 ms with vLLM's settings), so a role that waits for
+#: the other one leaves it the CPUs. Measured on the bench-size Qwen3-MoE, c = 16, 2 vCPUs
+#: (docs/bench/2026-12-03-turn-taking.md): 30000 beat 3000, 10000 and 100000.
+SHARED_OMP_ENV = {"GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "1"}
 
 
 def parse_cpu_list(value: str) -> list[int]:
@@ -157,17 +166,30 @@ def assign_cpus(
     return out
 
 
+def _ids(value: str) -> set[int]:
+    """CPU ids of a ``VLLM_CPU_OMP_THREADS_BIND`` value (every ``|`` part); none for a
+    keyword or anything that is not a CPU list."""
+    ids: set[int] = set()
+    if value in CPU_BIND_KEYWORDS:
+        return ids
+    for part in value.split("|"):
+        with contextlib.suppress(ValueError):
+            ids.update(parse_cpu_list(part))
+    return ids
+
+
+def shares_cpus(cpus: Mapping[str, str], name: str) -> bool:
+    """Whether role process ``name`` uses a CPU that another one in ``cpus`` uses too."""
+    mine = _ids(cpus.get(name, ""))
+    return any(mine & _ids(v) for k, v in cpus.items() if k != name)
+
+
 def cpu_warnings(cpus: Mapping[str, str], usable: Sequence[int]) -> list[str]:
     """Warnings for CPUs that two role processes would both use, or that are not usable."""
     owner: dict[int, str] = {}
     out = []
     for name, value in cpus.items():
-        if value in CPU_BIND_KEYWORDS:
-            continue
-        ids: set[int] = set()
-        for part in value.split("|"):
-            with contextlib.suppress(ValueError):
-                ids.update(parse_cpu_list(part))
+        ids = _ids(value)
         for c in sorted(ids):
             if c in owner and owner[c] != name:
                 out.append(f"{owner[c]} and {name} share CPU {c}")

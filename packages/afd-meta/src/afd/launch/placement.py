@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from afd.launch.cpus import (
     CPU_BIND,
     CPU_BIND_KEYWORDS,
+    SHARED_OMP_ENV,
     assign_cpus,
     cpu_warnings,
     format_cpu_list,
@@ -19,6 +20,7 @@ from afd.launch.cpus import (
 )
 from afd.launch.devices import CUDA_VISIBLE_DEVICES, assign_devices, shared_devices
 from afd.launch.spec import DeploymentSpec
+from afd_core.config import AFDConfig
 from afd_core.roles import AFDRole
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "plan_node_cpus",
     "plan_ray",
     "role_names",
+    "takes_turns",
 ]
 
 
@@ -99,7 +102,14 @@ def plan_cpus(
     device) with no ``VLLM_CPU_OMP_THREADS_BIND`` in the spec's ``env`` or the
     launcher's environment, the other processes get their share of
     :func:`~afd.launch.cpus.split_cpus` of ``usable`` (the native baseline all of
-    them); nothing else is set."""
+    them); nothing else is set.
+
+    Except when the roles take turns (:func:`takes_turns`: one attention rank without
+    TP, one FFN rank, one micro-batch, no CPUs given): at most one of them computes at
+    any time, so both get every usable CPU, and their OpenMP threads stop spinning soon
+    after a parallel region (:data:`~afd.launch.cpus.SHARED_OMP_ENV`, set by
+    :func:`~afd.launch.processes.role_env`). Splitting the CPUs would leave half of them
+    idle in every step."""
     attention, ffn = _explicit_cpus(spec)
     num_ffn = 0 if spec.native else spec.num_ffn
     inherited = spec.env.get(CPU_BIND, os.environ.get(CPU_BIND))
@@ -108,7 +118,10 @@ def plan_cpus(
     workers = tp if spec.native else spec.num_workers(AFDRole.ATTENTION)
     procs = workers + num_ffn
     split = not visible and inherited is None
+    turns = split and len(usable) >= 2 and takes_turns(spec) and (attention, ffn) == (None, None)
     planned = assign_cpus(workers, num_ffn, usable if split else [], attention=attention, ffn=ffn)
+    if turns:
+        planned = {"attn": format_cpu_list(usable), "ffn0": format_cpu_list(usable)}
     if split and tp > 1 and "attn" not in planned and usable:
         # Fewer CPUs than workers: vLLM's automatic binding refuses several TP workers on
         # one NUMA node, so the workers share CPUs (warned about below).
@@ -139,8 +152,25 @@ def plan_cpus(
             )
         if why is not None:
             lines.append(f"cpus: {why}; {CPU_BIND} of {left} left as is")
-    lines += [f"WARNING: {w}" for w in cpu_warnings(planned, usable)]
+    if turns:
+        omp = ", ".join(f"{k}={v}" for k, v in SHARED_OMP_ENV.items())
+        lines.append(
+            "cpus: the roles take turns (1 attention rank, 1 FFN rank, one micro-batch), "
+            f"so both use every usable CPU; OpenMP threads sleep soon after work ({omp}). "
+            "Set [attention] / [ffn] cpus to split them."
+        )
+    else:
+        lines += [f"WARNING: {w}" for w in cpu_warnings(planned, usable)]
     return planned, lines
+
+
+def takes_turns(spec: DeploymentSpec) -> bool:
+    """Whether the roles of ``spec`` compute one at a time: one attention rank without
+    tensor parallelism, one FFN rank, one micro-batch (each waits for the other every
+    layer). More ranks or micro-batches compute at the same time."""
+    if spec.native or spec.num_ffn != 1 or spec.num_workers(AFDRole.ATTENTION) != 1:
+        return False
+    return int(AFDConfig.canonical(spec.afd).get("num_micro_batches", 1)) == 1
 
 
 # ---------------------------------------------------------------------------- Ray

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from afd.launch.cpus import CPU_BIND, CPU_LIST, bind_affinity, omp_bind_env
+from afd.launch.cpus import CPU_BIND, CPU_LIST, SHARED_OMP_ENV, bind_affinity, omp_bind_env
 from afd.launch.devices import CUDA_VISIBLE_DEVICES
 from afd.launch.readiness import NATIVE, readiness_of
 from afd.launch.spec import DeploymentSpec
@@ -51,15 +51,19 @@ def role_env(
     cpus: str | None = None,
     *,
     base: Mapping[str, str] | None = None,
+    shared: bool = False,
 ) -> dict[str, str]:
     """Environment of one role process; ``devices``: its ``CUDA_VISIBLE_DEVICES``
     (from :func:`assign_devices`), ``cpus``: its ``VLLM_CPU_OMP_THREADS_BIND`` (from
     :func:`assign_cpus`); the role's own ``env`` still wins. An FFN process bound to a
     CPU list also gets the matching OpenMP settings (:func:`omp_bind_env`). ``base``:
     the environment it starts from (default: this process's; a Ray role: only what the
-    launcher adds to its node's environment)."""
+    launcher adds to its node's environment). ``shared``: another role process uses
+    some of these CPUs too, so OpenMP threads stop spinning soon (:data:`SHARED_OMP_ENV`,
+    unless the environment or the spec sets those variables)."""
     role = AFDRole(role)
     env = dict(os.environ if base is None else base)
+    inherited = set(env)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB; it overrides kv_cache_memory_bytes
     env["TMPDIR"] = str(tmp_dir)
     env["PYTHONUNBUFFERED"] = "1"
@@ -82,6 +86,11 @@ def role_env(
             for k, v in omp_bind_env(bind, env.get("LD_PRELOAD", "")).items():
                 if k not in given:
                     env[k] = v
+    if shared:
+        given = {**spec.env, **spec.overrides(role).env}
+        for k, v in SHARED_OMP_ENV.items():
+            if k not in given and k not in inherited:
+                env[k] = v
     return env
 
 
