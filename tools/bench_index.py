@@ -6,7 +6,8 @@
 The table sits between the ``<!-- index -->`` markers of docs/bench/README.md and is built
 from the JSONs alone: ``afd bench`` reports (``bench.json``), connector microbenchmarks
 (``tools/bench_connector.py --json``) and files that carry their own ``date``,
-``machine`` and ``command`` (``tools/bf16_layouts.py``). ``afd bench`` reports do not
+``machine`` and ``command`` (``tools/bf16_layouts.py``; a ``result`` string where they
+carry one). ``afd bench`` reports do not
 record their command line: it is rebuilt from their ``settings`` with today's flags
 (runs made before ``--native-modes`` / ``--afd-modes`` existed ran eager, which today's
 ``--native-modes eager --afd-modes eager`` reproduces). tests/workspace/test_bench_index.py
@@ -92,7 +93,8 @@ def _row(path: Path) -> tuple[str, str, str, str, str]:
         return date, link, _machine(data), command, _connector_result(data)
     differing = data.get("differing_prompts") or {}
     result = "; ".join(f"{pair}: {len(p)} of 10 prompts differ" for pair, p in differing.items())
-    return date, link, _machine(data), str(data.get("command", "?")), result or "?"
+    result = result or str(data.get("result", "?"))
+    return date, link, _machine(data), str(data.get("command", "?")), result
 
 
 def table() -> str:
