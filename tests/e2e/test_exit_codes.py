@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from afd_processes import FFNServer, HealthWatch, Server, afd_settings, free_port, metric_samples
+from afd_processes import (
+    FFNServer,
+    HealthWatch,
+    Server,
+    afd_settings,
+    free_port,
+    metric_samples,
+    settled_metric_samples,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
@@ -148,7 +156,7 @@ def test_attention_killed_makes_the_ffn_server_exit_1(
         assert any(name.startswith("vllm:") for name, _ in attn_before), sorted(attn_before)[:20]
         max_tokens = 4
         assert len(attention.complete("Hello", max_tokens=max_tokens)) == max_tokens
-        ffn_after = metric_samples(f"{ffn_url}/metrics")
+        ffn_after = settled_metric_samples(f"{ffn_url}/metrics")
         attn_after = metric_samples(f"{attn_url}/metrics")
 
         def delta(before: Any, after: Any, name: str) -> float:

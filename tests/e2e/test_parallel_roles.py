@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from afd_processes import Launcher, assert_same_tokens, metric_samples
+from afd_processes import Launcher, assert_same_tokens, metric_samples, settled_metric_samples
 from afd_references import singles
 
 from afd.tools.client import complete
@@ -78,7 +78,9 @@ def _moe_shape(model: Path) -> tuple[int, int]:
 
 def _tokens_served(url: str, rank: int) -> int:
     return int(
-        metric_samples(f"{url}/metrics")[("afd_ffn_tokens_served_total", (("rank", str(rank)),))]
+        settled_metric_samples(f"{url}/metrics")[
+            ("afd_ffn_tokens_served_total", (("rank", str(rank)),))
+        ]
     )
 
 
@@ -187,7 +189,7 @@ def test_parallel_layout_served_tokens_equal_native(
         what = f"native vLLM TP={tp}, one request at a time"
         assert_same_tokens(got, native, PROMPTS, what, max_tokens=MAX_TOKENS)
         attn = metric_samples(f"{url}/metrics")
-        ffn = {f: metric_samples(f"{ffn_urls[f'ffn{f}']}/metrics") for f in range(ep)}
+        ffn = {f: settled_metric_samples(f"{ffn_urls[f'ffn{f}']}/metrics") for f in range(ep)}
         for f in range(ep):
             rank = (("rank", str(f)),)
             # Every attention (DP) rank is a peer of every FFN rank; a TP group is one.

@@ -388,6 +388,25 @@ def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
     }
 
 
+def settled_metric_samples(
+    url: str, *, quiet_s: float = 0.3, timeout_s: float = 15.0
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """:func:`metric_samples` of ``url`` once two scrapes ``quiet_s`` apart agree.
+
+    An FFN rank records a layer in its metrics just after it has sent the result back,
+    so right after a completion returns the last layer may not be counted yet (by
+    microseconds, or longer when the roles share CPUs and the attention side runs first).
+    """
+    deadline = time.monotonic() + timeout_s
+    last = metric_samples(url)
+    while True:
+        time.sleep(quiet_s)
+        now = metric_samples(url)
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+
+
 class HealthWatch(threading.Thread):
     """Polls ``GET url`` every 20 ms; records each change of (status, body); status
     None (nothing answers) with an empty body."""

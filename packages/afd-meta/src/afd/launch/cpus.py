@@ -37,7 +37,9 @@ CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 #: its OpenMP threads stop spinning soon after a parallel region (libgomp spins ~300000
 #: times by default, Intel OpenMP 5 ms with vLLM's settings), so a role that waits for
 #: the other one leaves it the CPUs. Measured on the bench-size Qwen3-MoE, c = 16, 2 vCPUs
-#: (docs/bench/2026-12-03-turn-taking.md): 30000 beat 3000, 10000 and 100000.
+#: (docs/bench/2026-12-03-turn-taking.md): GOMP_SPINCOUNT 30000 beat 10000 and 100000
+#: (and 3000, before the futex waits). KMP_BLOCKTIME is Intel OpenMP's counterpart, not
+#: measured here (vLLM's CPU build preloads libgomp).
 SHARED_OMP_ENV = {"GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "1"}
 
 
