@@ -46,7 +46,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from afd_connectors_gpu import futex
@@ -435,18 +435,20 @@ class ShmTransport(Transport):
         now = process_start(pid)
         return now is None or (bool(start) and bool(now) and now != start)
 
-    def _wait(
-        self,
-        ready: Callable[[], bool],
-        peer_closed: Callable[[], bool],
-        ctx: TransferContext,
-        ring: _Ring,
-        word: int,
-    ) -> None:
-        """Spin, then sleep, until ``ready()``; raise on close, peer loss or timeout.
+    def _wait(self, ctx: TransferContext, ring: _Ring, word: int) -> None:
+        """Spin, then sleep, until ``ring`` has a message to read (``word`` =
+        ``_WRITE_W``, the counter its writer bumps) or a free slot to write (``_READ_W``,
+        its reader's); raise on close, peer loss or timeout.
 
-        Sleeping is on the futex of ``ring``'s control word ``word`` (the counter the peer
-        bumps when it makes ``ready()`` true), or in growing steps without futexes."""
+        Sleeping is on the futex of that counter, or in growing steps without futexes."""
+        if word == _WRITE_W:
+            ready, closed_w = ring.readable, _WRITER_CLOSED_W
+        else:
+            ready, closed_w = ring.writable, _READER_CLOSED_W
+
+        def peer_closed() -> bool:
+            return bool(ring.ctl[closed_w])
+
         if ready():
             return
         connector = self.connector
@@ -499,7 +501,7 @@ class ShmTransport(Transport):
             plan = self._write_plan(ring, ctx.peer, key)
         if not ring.writable():
             ctx.action = "sending to (all ring slots full)"
-            self._wait(ring.writable, lambda: bool(ring.ctl[_READER_CLOSED_W]), ctx, ring, _READ_W)
+            self._wait(ctx, ring, _READ_W)
         ring.bytes[base : base + _FRAME_BYTES] = frame.packed
         for dst, t in zip(plan, tensors, strict=True):
             if dst is not None:
@@ -542,7 +544,7 @@ class ShmTransport(Transport):
         """Wait for the next message from ``ctx.peer`` and decode its frame (not consumed)."""
         ring = self._in[ctx.peer]
         if not ring.readable():
-            self._wait(ring.readable, lambda: bool(ring.ctl[_WRITER_CLOSED_W]), ctx, ring, _WRITE_W)
+            self._wait(ctx, ring, _WRITE_W)
         start = ring.read_slot()
         raw = ring.bytes[start : start + _FRAME_BYTES].tobytes()
         frame = self._frames.get(raw)

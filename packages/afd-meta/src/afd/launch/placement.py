@@ -120,9 +120,12 @@ def plan_cpus(
     procs = workers + num_ffn
     split = not visible and inherited is None
     turns = split and len(usable) >= 2 and takes_turns(spec) and (attention, ffn) == (None, None)
-    planned = assign_cpus(workers, num_ffn, usable if split else [], attention=attention, ffn=ffn)
     if turns:
-        planned = {"attn": format_cpu_list(usable), "ffn0": format_cpu_list(usable)}
+        planned = dict.fromkeys(("attn", "ffn0"), format_cpu_list(usable))
+    else:
+        planned = assign_cpus(
+            workers, num_ffn, usable if split else [], attention=attention, ffn=ffn
+        )
     if split and tp > 1 and "attn" not in planned and usable:
         # Fewer CPUs than workers: vLLM's automatic binding refuses several TP workers on
         # one NUMA node, so the workers share CPUs (warned about below).
