@@ -333,7 +333,7 @@ def test_roles_that_take_turns_share_every_cpu_and_stop_spinning_soon(
             assert not any(k in role.env for k in SHARED_OMP_ENV), (spec, role.name)
     # explicit overlapping CPUs are shared too, so they get the OpenMP settings
     spec = DeploymentSpec(model="/m", attention={"cpus": "0-1"}, ffn={"cpus": "1-2"})
-    assert all(r.env["GOMP_SPINCOUNT"] == "30000" for r in _built(spec, tmp_path, cpus).values())
+    assert all(r.env["GOMP_SPINCOUNT"] == "10000" for r in _built(spec, tmp_path, cpus).values())
     # the spec's and the launcher's environment win
     spec = DeploymentSpec(model="/m", ffn={"env": {"GOMP_SPINCOUNT": "7"}})
     assert _built(spec, tmp_path, cpus)["ffn0"].env["GOMP_SPINCOUNT"] == "7"
@@ -377,7 +377,7 @@ def test_default_connector_is_shared_memory_unless_set(tmp_path: Path) -> None:
                 f"cpus ({BIND} per role): attn=0-1, ffn0=0-1 (2 usable: 0-1)",
                 "cpus: the roles take turns (1 attention rank, 1 FFN rank, one micro-batch), "
                 "so both use every usable CPU; OpenMP threads sleep soon after work "
-                "(GOMP_SPINCOUNT=30000, KMP_BLOCKTIME=1). Set [attention] / [ffn] cpus to "
+                "(GOMP_SPINCOUNT=10000, KMP_BLOCKTIME=1). Set [attention] / [ffn] cpus to "
                 "split them.",
             ],
         ),

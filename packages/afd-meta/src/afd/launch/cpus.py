@@ -36,11 +36,13 @@ CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 #: of a 1A1F deployment take turns on every CPU, see :func:`afd.launch.placement.plan_cpus`):
 #: its OpenMP threads stop spinning soon after a parallel region (libgomp spins ~300000
 #: times by default, Intel OpenMP 5 ms with vLLM's settings), so a role that waits for
-#: the other one leaves it the CPUs. Measured on the bench-size Qwen3-MoE, c = 16, 2 vCPUs
-#: (docs/bench/2026-12-03-turn-taking.md): GOMP_SPINCOUNT 30000 beat 10000 and 100000
-#: (and 3000, before the futex waits). KMP_BLOCKTIME is Intel OpenMP's counterpart, not
-#: measured here (vLLM's CPU build preloads libgomp).
-SHARED_OMP_ENV = {"GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "1"}
+#: the other one leaves it the CPUs. One spin costs ~25 ns here, so 10000 spins are
+#: ~0.25 ms: long enough to bridge the gaps inside a role's turn, short enough not to eat
+#: the other role's turn. Measured on the bench-size Qwen3-MoE, 2 vCPUs, two deployments
+#: each, c = 16 and 32 (docs/bench/2026-12-03-handover-tax.md): 10000 and 3000 beat
+#: 30000 (the earlier default) by 7-13 %. KMP_BLOCKTIME is Intel OpenMP's counterpart,
+#: not measured here (vLLM's CPU build preloads libgomp).
+SHARED_OMP_ENV = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}
 
 
 def parse_cpu_list(value: str) -> list[int]:
