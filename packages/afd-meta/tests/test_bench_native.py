@@ -234,6 +234,9 @@ def test_repeats_alternate_the_order_and_report_medians_and_each_ratio(
     # tok/s per start of each deployment (native, afd/m1, afd/m2), in start order.
     native = iter([1000.0, 600.0, 900.0])
     afd = {1: iter([500.0, 450.0, 700.0]), 2: iter([400.0, 480.0, 650.0])}
+    # start-up seconds per start: the first start of each kind compiles (slow)
+    native_startup = iter([90.0, 60.0, 62.0])
+    afd_startup = {1: iter([100.0, 70.0, 75.0]), 2: iter([110.0, 71.0, 72.0])}
     order: list[str] = []
     current: list[float] = []
 
@@ -241,7 +244,9 @@ def test_repeats_alternate_the_order_and_report_medians_and_each_ratio(
         m = int(spec.afd.get("num_micro_batches", 1))
         order.append("native" if spec.native else f"m{m}")
         current.append(next(native) if spec.native else next(afd[m]))
-        return _FakeDeployment(spec, **kw)
+        dep = _FakeDeployment(spec, **kw)
+        dep.startup_s = next(native_startup) if spec.native else next(afd_startup[m])
+        return dep
 
     def fake_level(url: str, prompts: Any, c: int, n: int, out_len: int, **kw: Any) -> dict:
         return _lv(current[-1])
@@ -263,6 +268,12 @@ def test_repeats_alternate_the_order_and_report_medians_and_each_ratio(
     repeats = report["repeats"]
     assert repeats["ratio_afd_over_native"]["8"] == [0.5, 0.8, round(700 / 900, 3)]
     assert repeats["median"]["8"] == round(700 / 900, 3)
+    # start-up: every repeat's, and their median (not the last repeat's)
+    assert report["startup_repeats_s"]["native/auto"] == [90.0, 60.0, 62.0]
+    assert report["startup_s"]["native/auto"] == 62.0
+    assert report["afd_micro_batches"]["1"]["startup_s"] == 75.0
+    assert report["afd_micro_batches"]["2"]["startup_s"] == 72.0
+    assert report["startup_ratio_afd_over_native_compiled"] == round(75 / 62, 2)
     printed = capsys.readouterr().out
     assert "c=8: 0.50 0.80 0.78  (median 0.78)" in printed
     assert bench.run_bench(_bench_args([*argv, "--repeat", "0"])) == 2

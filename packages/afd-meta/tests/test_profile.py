@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from afd import cli as afd_cli
 from afd.tools import profile as afd_profile
 from afd_core import profiling
 
@@ -148,3 +149,20 @@ def test_plot_steps_draws_one_panel_per_run(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="nothing to plot"):
         afd_profile.plot_steps([], tmp_path / "none.png")
+
+
+def test_the_cli_says_why_there_is_no_figure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``afd profile --plot`` with every step left out by --skip-s: the summary and the
+    trace are written, then one line says why there is no figure (no traceback)."""
+    pytest.importorskip("matplotlib")
+    _write_run(tmp_path, monkeypatch)
+    parser = afd_cli.build_parser()
+    args = parser.parse_args(["profile", str(tmp_path), "--skip-s", "3600", "--plot", "x.png"])
+    assert afd_profile.run_profile(args) == 1
+    err = capsys.readouterr().err
+    assert "no figure: no complete attention step to plot after the first 3600 s" in err
+    assert (tmp_path / "trace.json").is_file()
+    assert afd_profile.run_profile(parser.parse_args(["profile", str(tmp_path / "none")])) == 2
+    assert "AFD_PROFILE_DIR" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -281,7 +282,9 @@ def _median_step(
     profile: Profile, skip_s: float, window: tuple[int, int] | None
 ) -> tuple[int, int]:
     """Wall-clock (start, end) ns of the median-length complete step of attention rank 0."""
-    attn = next(p for p in profile.processes if p.role == "attention")
+    attn = next((p for p in profile.processes if p.role == "attention"), None)
+    if attn is None:
+        raise ValueError("no attention spans to plot")
     steps = _steps(_select(attn, skip_s, window), "send")[:-1]
     if not steps:
         raise ValueError("no complete attention step to plot")
@@ -358,14 +361,26 @@ def plot_steps(
 
 
 def run_profile(args: Any) -> int:
-    profile = load_profile(args.dir)
+    try:
+        profile = load_profile(args.dir)
+    except FileNotFoundError as exc:
+        print(f"afd profile: error: {exc}", file=sys.stderr)
+        return 2
     summary = summarize(profile, skip_s=args.skip_s)
     trace = write_trace(profile, Path(args.dir) / "trace.json")
     (Path(args.dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     print(format_summary(summary))
     print(f"trace: {trace} (open in https://ui.perfetto.dev)")
     if args.plot:
-        print(f"figure: {plot_step(profile, args.plot, skip_s=args.skip_s)}")
+        try:
+            print(f"figure: {plot_step(profile, args.plot, skip_s=args.skip_s)}")
+        except ValueError as exc:
+            print(
+                f"afd profile: no figure: {exc} after the first {args.skip_s:g} s of each "
+                "process (--skip-s)",
+                file=sys.stderr,
+            )
+            return 1
     return 0
 
 
