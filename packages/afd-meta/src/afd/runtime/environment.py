@@ -27,6 +27,7 @@ __all__ = [
     "CUDA_COMPANIONS",
     "cpu_mla_backend_needed",
     "installed_version",
+    "request_amx_tiles",
     "torch_companion_problem",
 ]
 
@@ -105,3 +106,22 @@ def cpu_mla_backend_needed(model: str, dtype: str) -> bool:
     if dtype == "auto":
         dtype = str(text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16")
     return dtype != "bfloat16" and _amx_tiles()
+
+
+def request_amx_tiles() -> bool:
+    """Ask Linux for this process's AMX tile permission when the CPU has AMX tiles;
+    True when requested.
+
+    vLLM's CPU MoE kernels (``cpu_micro_gemm``) take their AMX path on such CPUs but
+    do not request the permission (``arch_prctl(ARCH_REQ_XCOMP_PERM)``) themselves;
+    without it their first tile instruction kills the process with SIGILL. Native vLLM
+    gets it from torch's oneDNN kernels, which run before any MoE layer of the full
+    model; the FFN role's first computation is an MoE block. torch's own request
+    (``torch._C._cpu._init_amx``) is process-wide and idempotent.
+    """
+    if not _amx_tiles():
+        return False
+    import torch
+
+    init = getattr(torch._C._cpu, "_init_amx", None)
+    return bool(init()) if init is not None else False

@@ -80,6 +80,7 @@ class AFDWorkerExtension:
         """Serve layers until the peers leave or :meth:`afd_stop` is called."""
         from vllm.config import set_current_vllm_config
 
+        from afd.runtime.environment import request_amx_tiles
         from afd_core.registry import create_connector
         from afd_moe_runners.builder import ffn_external_routing, shared_experts_on_attention
         from afd_moe_runners.ffn_compute import FFNLayerCompute
@@ -91,6 +92,9 @@ class AFDWorkerExtension:
         rank = afd.rank if afd.rank is not None else vllm_config.parallel_config.data_parallel_rank
         model = self._afd_model()
         stats = ServeStats()
+        # Before the first MoE kernel: its AMX path needs the process's AMX permission,
+        # which native vLLM gets from earlier ops of the full model (see the function).
+        request_amx_tiles()
         with set_current_vllm_config(vllm_config):
             blocks = model.afd_ffn_blocks()
             compute = FFNLayerCompute(
