@@ -82,12 +82,15 @@ def test_cpu_mla_backend_only_for_mla_off_bfloat16_on_amx(
     mla = _checkpoint(tmp_path, "mla", kv_lora_rank=512, torch_dtype="float32")
     mla_bf16 = _checkpoint(tmp_path, "mla_bf16", kv_lora_rank=512, torch_dtype="bfloat16")
     gqa = _checkpoint(tmp_path, "gqa", kv_lora_rank=None, torch_dtype="float32")
+    # what transformers writes now: "dtype", and "torch_dtype" null
+    new_keys = _checkpoint(tmp_path, "new", kv_lora_rank=512, torch_dtype=None, dtype="float32")
     needed = environment.cpu_mla_backend_needed
     assert needed(mla, "float32") is amx
     assert needed(mla, "float16") is amx
     assert needed(mla, "auto") is amx  # the checkpoint's float32
     assert needed(mla, "bfloat16") is False
     assert needed(mla_bf16, "auto") is False
+    assert needed(new_keys, "auto") is amx
     assert needed(gqa, "float32") is False
     assert needed(str(tmp_path / "missing"), "float32") is False  # a hub id: vLLM's say
     environment.cpu_mla_backend_needed.cache_clear()

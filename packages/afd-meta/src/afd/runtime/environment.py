@@ -103,8 +103,9 @@ def cpu_mla_backend_needed(model: str, dtype: str) -> bool:
     text = config.get("text_config") or config
     if text.get("kv_lora_rank") is None:
         return False
-    if dtype == "auto":
-        dtype = str(text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16")
+    if dtype == "auto":  # transformers writes "dtype" now, "torch_dtype" before
+        keys = ("torch_dtype", "dtype")
+        dtype = str(next((c[k] for c in (text, config) for k in keys if c.get(k)), "bfloat16"))
     return dtype != "bfloat16" and _amx_tiles()
 
 
