@@ -20,9 +20,13 @@ DeepSeek-V3 EP2 with the gate on FFN (the replicated router, a shared expert, a 
 layer); the other layouts and the bfloat16 load test are ``extended`` (``nox -s
 tests-extended``, by hand: run them when the parallel code changes). The default run has
 the TP and EP exchanges' unit tests (packages/afd-moe-runners/tests/test_tensor_parallel.py,
-test_expert_parallel.py, test_expert_shard.py). The deployments
-run eager (``enforce_eager = true``) against eager native references: tensor/expert
-parallelism in vLLM's compile mode is not verified yet (docs/architecture.md).
+test_expert_parallel.py, test_expert_shard.py). The deployments run eager
+(``enforce_eager = true``) against eager native references, except the ``-compiled``
+cases: deployment and native reference in vLLM's default compile mode, every TP worker
+proving it ran the compiled graph (the exchange op's first-call log line). Attention TP2
++ FFN EP2 compiled (gate on Attention) runs in CI (``matrix``, ~3 min); DeepSeek-V3 EP2
+compiled (gate on FFN) in ``nox -s tests-compiled``. Compiled, native vLLM's routing
+cannot be recorded, so the dispatch proof is the eager cases'.
 """
 
 from __future__ import annotations
@@ -58,13 +62,24 @@ def _complete(url: str, prompt: str) -> list[int]:
 
 MATRIX = pytest.mark.matrix
 EXTENDED = pytest.mark.extended
+COMPILED = pytest.mark.compiled
 
 
-def _case(tp: int, dp: int, ep: int, gate: str, *marks: Any, family: str = "qwen3_moe") -> Any:
+def _case(
+    tp: int,
+    dp: int,
+    ep: int,
+    gate: str,
+    *marks: Any,
+    family: str = "qwen3_moe",
+    compiled: bool = False,
+) -> Any:
     name = f"tp{tp}-dp{dp}-ep{ep}-{gate}"
     if family != "qwen3_moe":
         name = f"{family}-{name}"
-    return pytest.param(family, tp, dp, ep, gate, marks=marks, id=name)
+    if compiled:
+        name += "-compiled"
+    return pytest.param(family, tp, dp, ep, gate, compiled, marks=marks, id=name)
 
 
 def _moe_shape(model: Path) -> tuple[int, int]:
@@ -114,7 +129,7 @@ def _dispatched(model: Path, routing: list[dict[str, list[list[int]]]], ep: int)
 # Two cases in `nox -s tests-matrix` (CI), the rest `extended` (see the module docstring).
 @pytest.mark.timeout(900)  # a TP=2 native reference and TP workers start slowly on 2 cores
 @pytest.mark.parametrize(
-    ("family", "tp", "dp", "ep", "gate"),
+    ("family", "tp", "dp", "ep", "gate", "compiled"),
     [
         _case(2, 1, 1, "attention-topk", EXTENDED),
         _case(2, 1, 1, "ffn", EXTENDED),
@@ -129,6 +144,9 @@ def _dispatched(model: Path, routing: list[dict[str, list[list[int]]]], ep: int)
         # (VLLM_CPU_FACTS.md), so Attention TP2 is compared with native TP=2.
         _case(2, 1, 1, "attention-topk", EXTENDED, family="deepseek_v3"),
         _case(1, 1, 2, "ffn", MATRIX, family="deepseek_v3"),
+        # vLLM's default compile mode on both sides (the launcher's default).
+        _case(2, 1, 2, "attention-topk", MATRIX, compiled=True),
+        _case(1, 1, 2, "ffn", COMPILED, family="deepseek_v3", compiled=True),
     ],
 )
 def test_parallel_layout_served_tokens_equal_native(
@@ -137,6 +155,7 @@ def test_parallel_layout_served_tokens_equal_native(
     dp: int,
     ep: int,
     gate: str,
+    compiled: bool,
     tiny_qwen_models: dict[str | None, Path],
     tiny_models: dict[str, Path],
     native_references: Any,
@@ -147,8 +166,13 @@ def test_parallel_layout_served_tokens_equal_native(
     # same tokens at TP=1 and TP=2 natively; each is compared with its own). With the
     # gate on Attention under expert parallelism and one attention rank, the reference
     # also records its routing: the dispatch each FFN rank must have received.
-    ref_kwargs = {"tensor_parallel_size": tp} if tp > 1 else {}
-    dispatch_proof = ep > 1 and gate != "ffn" and dp == 1
+    # Compiled: both sides in vLLM's default compile mode (the deployment's default).
+    ref_kwargs: dict[str, Any] = {"tensor_parallel_size": tp} if tp > 1 else {}
+    if compiled:
+        ref_kwargs["enforce_eager"] = False
+    # (Native routing is recorded in eager mode only: compiled, the router runs inside
+    # the graph; the eager case of the same layout proves the dispatch.)
+    dispatch_proof = ep > 1 and gate != "ffn" and dp == 1 and not compiled
     routing: list[dict[str, list[list[int]]]] = []
     if dispatch_proof:
         groups, routing = native_references.routed(
@@ -166,7 +190,8 @@ def test_parallel_layout_served_tokens_equal_native(
         f'model = "{model}"\nnum_attention = {dp}\nnum_ffn = {ep}\n'
         f"attention_tensor_parallel_size = {tp}\n"
         f"ffn_expert_parallel = {'true' if ep > 1 else 'false'}\n"
-        f'dtype = "float32"\nlog_dir = "{tmp_path / "logs"}"\nenforce_eager = true\n'
+        f'dtype = "float32"\nlog_dir = "{tmp_path / "logs"}"\n'
+        f"enforce_eager = {'false' if compiled else 'true'}\n"
         f"compute_gate_on_attention = {'true' if gate != 'ffn' else 'false'}\n"
         "[afd]\nconnect_timeout_s = 600\ntransfer_timeout_s = 120\n"
     )
@@ -186,8 +211,14 @@ def test_parallel_layout_served_tokens_equal_native(
         assert sorted(ffn_urls) == [f"ffn{f}" for f in range(ep)], launcher.output[-3000:]
         before = [_tokens_served(ffn_urls[f"ffn{f}"], f) for f in range(ep)]
         got = [_complete(url, p) for p in PROMPTS]
-        what = f"native vLLM TP={tp}, one request at a time"
+        what = f"native vLLM TP={tp}{' compiled' if compiled else ''}, one request at a time"
         assert_same_tokens(got, native, PROMPTS, what, max_tokens=MAX_TOKENS)
+        if compiled:
+            from afd_moe_runners.exchange_op import COMPILED_LOG
+
+            # Every TP worker of every attention rank ran the compiled graph.
+            log = (tmp_path / "logs" / "attn.log").read_text()
+            assert log.count(COMPILED_LOG) == dp * tp, log[-3000:]
         attn = metric_samples(f"{url}/metrics")
         ffn = {f: settled_metric_samples(f"{ffn_urls[f'ffn{f}']}/metrics") for f in range(ep)}
         for f in range(ep):
