@@ -126,7 +126,8 @@ def _dispatched(model: Path, routing: list[dict[str, list[list[int]]]], ep: int)
     return counts
 
 
-# Two cases in `nox -s tests-matrix` (CI), the rest `extended` (see the module docstring).
+# Three cases in `nox -s tests-matrix` (CI), one in `tests-compiled`, the rest `extended`
+# (see the module docstring).
 @pytest.mark.timeout(900)  # a TP=2 native reference and TP workers start slowly on 2 cores
 @pytest.mark.parametrize(
     ("family", "tp", "dp", "ep", "gate", "compiled"),
