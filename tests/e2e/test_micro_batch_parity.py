@@ -84,10 +84,9 @@ def equal_length_prompts(model: Path, n: int) -> list[str]:
 def attention_depends_on_batch() -> bool:
     """Whether vLLM's CPU attention runs its ``amx`` ISA for this bf16 test (a CPU with
     AMX tiles): that kernel's result depends on which requests share the batch."""
-    import torch
+    from afd.runtime.environment import _amx_tiles  # the probe the launcher uses
 
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe and probe())
+    return _amx_tiles()
 
 
 def read_spans(profile_dir: Path, role: str) -> list[dict[str, Any]]:
