@@ -2,26 +2,30 @@
 
 Everything the AFD contract asks beyond moving bytes (fan-in, split, header checks,
 deadlines, error texts, close) comes from :class:`afd_core.exchange.ExchangeConnector`.
-The connector is registered by name and passes the whole conformance suite, run the
-way the suite runs the loopback double (one thread per rank).
+The connector is declared as a third-party package declares it, through an installed
+distribution's ``afd.connectors`` entry point (nothing registers it in-process), found
+by name through afd_core.registry, and passes the whole conformance suite, run the way
+the suite runs the loopback double (one thread per rank).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import multiprocessing as mp
+import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from afd_core.exchange import ExchangeConnector, TransferContext, Transport  # noqa: E402
-from afd_core.registry import register_connector  # noqa: E402
-from afd_core.testing.conformance import Scenario, conformance_cases, run_scenario  # noqa: E402
-from afd_core.testing.loopback import LoopbackHarness  # noqa: E402
-from afd_core.topology import AFDTopology  # noqa: E402
-from afd_core.wire import Frame  # noqa: E402
+from afd_core import registry
+from afd_core.exchange import ExchangeConnector, TransferContext, Transport
+from afd_core.testing.conformance import Scenario, conformance_cases, run_scenario
+from afd_core.testing.loopback import LoopbackHarness
+from afd_core.topology import AFDTopology
+from afd_core.wire import Frame
 
 _POLL_S = 0.02
 _pipes: dict[tuple[str, int, int], tuple[Any, Any]] = {}  # (address, src, dst) -> ends
@@ -88,7 +92,38 @@ class PipeAFDConnector(ExchangeConnector):
     transport_class = PipeTransport
 
 
-register_connector(PipeAFDConnector.name, PipeAFDConnector)
+#: This module as the target of the distribution's entry point (pytest imports it by
+#: this name: a third-party package's module name in a deployment).
+TARGET = f"{__name__}:PipeAFDConnector"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed_distribution(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """An installed-looking third-party distribution declaring PipeAFDConnector in the
+    entry-point group its pyproject.toml names: ``[project.entry-points."afd.connectors"]``."""
+    site = tmp_path_factory.mktemp("site-packages")
+    dist = site / "afd_pipe_connector-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: afd-pipe-connector\nVersion: 1.0\n"
+    )
+    (dist / "entry_points.txt").write_text(f"[afd.connectors]\nPipeAFDConnector = {TARGET}\n")
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.syspath_prepend(str(site))
+        registry.unregister_connector(PipeAFDConnector.name)  # found by its entry point only
+        yield
+        registry.unregister_connector(PipeAFDConnector.name)  # forget the loaded class
+
+
+def test_the_third_party_connector_is_found_by_name_through_its_entry_point() -> None:
+    """What a deployment does with ``additional_config["afd"]["connector"]``: the name
+    alone finds the installed package's class."""
+    assert sys.modules[__name__].PipeAFDConnector is PipeAFDConnector  # the target's module
+    group = importlib.metadata.entry_points(group="afd.connectors")
+    assert [ep.value for ep in group if ep.name == PipeAFDConnector.name] == [TARGET]
+    registry.unregister_connector(PipeAFDConnector.name)  # no class loaded before: look it up
+    assert PipeAFDConnector.name in registry.available_connectors()
+    assert registry.get_connector_class(PipeAFDConnector.name) is PipeAFDConnector
 
 
 @pytest.mark.parametrize(("scenario", "topology"), conformance_cases())
@@ -96,9 +131,3 @@ def test_third_party_transport_passes_conformance(
     scenario: Scenario, topology: AFDTopology
 ) -> None:
     run_scenario(LoopbackHarness(PipeAFDConnector.name, host="pipes"), scenario, topology)
-
-
-def test_a_transport_needs_only_the_byte_moving_calls() -> None:
-    """What a third-party transport overrides is the small interface, nothing else."""
-    own = {n for n in vars(PipeTransport) if not n.startswith("__")}
-    assert own == {"connect", "close", "send", "recv_frame", "recv_tensors"}

