@@ -137,3 +137,19 @@ def many_layers_in_flight(connector: Any, ctx: Any) -> Any:
         out = connector.recv_from_ffn(layer_idx=layer)
         assert torch.equal(out.output, xs[layer] * 2)
     return True
+
+
+def pool_after_init(connector: Any, ctx: Any) -> Any:
+    """What the buffer pool holds right after init(), before any exchange."""
+    transport = connector.transport
+    pool = transport._pool
+    storages = pool.buffers()
+    res = transport.reservation
+    return {
+        "peers": list(connector.peers),
+        "storages": {key: (tuple(b.shape), str(b.dtype)) for key, b in storages.items()},
+        "nbytes": sum(b.numel() * b.element_size() for b in storages.values()),
+        "reported": None if res is None else res.total,
+        "per_peer": None if res is None else dict(res.per_peer),
+        "report": transport.buffer_report,
+    }

@@ -55,9 +55,25 @@ def test_restaging_a_send_buffer_settles_the_send_that_read_it_first() -> None:
     assert torch.equal(again[:4], torch.full((4, 4), 3.0))
 
 
-def test_preallocation_covers_every_bucket_per_peer_and_micro_batch() -> None:
-    pool = _pool(limit=8)
-    made = pool.preallocate((0, 1), ((2,), "float32"), num_micro_batches=2)
-    assert pool.buckets() == [1, 2, 4, 8]
-    assert len(pool) == 2 * 4 * 2
-    assert made == 2 * 2 * (1 + 2 + 4 + 8) * 2 * 4
+def test_reserve_makes_the_largest_bucket_for_every_peer_micro_batch_and_tensor() -> None:
+    pool = _pool(limit=64)
+    plan = [("send", 0, ((8,), "bfloat16")), ("recv", 0, ((8,), "bfloat16"))]
+    res = pool.reserve((3, 5), plan, num_micro_batches=2, num_tokens=20)
+    assert res.rows == 32  # the bucket of 20 tokens, not of the limit (64)
+    assert set(pool.buffers()) == {
+        (d, p, 32, (8,), "bfloat16", 0, mb)
+        for d in ("send", "recv")
+        for p in (3, 5)
+        for mb in (0, 1)
+    }
+    assert res.per_peer == {3: 2 * 2 * 32 * 8 * 2, 5: 2 * 2 * 32 * 8 * 2}
+    assert res.total == pool.nbytes() == sum(b.nbytes for b in pool.buffers().values())
+    # A message of the reserved bucket uses the reserved buffer: nothing is allocated.
+    before = {k: b.data_ptr() for k, b in pool.buffers().items()}
+    buf, _ = pool.receive(3, 17, ((8,), "bfloat16"), 0, 1)
+    sent, _ = pool.stage(
+        torch.ones(20, 8, dtype=torch.bfloat16), peer=5, slot=0, mb=0, settle=print
+    )
+    assert {k: b.data_ptr() for k, b in pool.buffers().items()} == before
+    assert buf.data_ptr() == before[("recv", 3, 32, (8,), "bfloat16", 0, 1)]
+    assert sent.data_ptr() == before[("send", 5, 32, (8,), "bfloat16", 0, 0)]

@@ -7,6 +7,7 @@ NCCL 2.28 raised on an H200 when two ranks shared a GPU (recorded by tools/gpu_c
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -188,3 +189,115 @@ def test_a_peer_that_never_answers_the_warm_up_fails_init_and_aborts_nccl() -> N
     assert time.monotonic() - start < 5
     assert all(f.aborted for f in fakes.values())
     assert log[-1] == (A2F, "recv", 1)
+
+
+class FakeBlockingInitNcclGroup(FakeNcclPairGroup):
+    """A fake NCCL process group whose first operation with a ``silent`` peer blocks in
+    the call itself, as torch's lazy NCCL communicator set-up does while the peer never
+    joins it (e.g. its process died after the gloo barrier). ``abort()`` ends the
+    blocked set-up when ``abort_unblocks`` (NCCL's non-blocking init), else the call
+    stays blocked (a blocking ``ncclCommInitRank``)."""
+
+    def __init__(
+        self, name: str, log: list[tuple[str, str, int]], silent: set[int], abort_unblocks: bool
+    ) -> None:
+        super().__init__(name, log, silent)
+        self.abort_unblocks = abort_unblocks
+        self.abort_called = threading.Event()
+        self._released = threading.Event()
+        self.blocked_calls = 0
+
+    def _op(self, op: str, peer: int) -> FakeNcclWork:
+        self.log.append((self.name, op, peer))
+        if peer in self.silent:
+            self.blocked_calls += 1
+            self._released.wait(60)  # "inside NCCL's communicator set-up"
+            raise RuntimeError("NCCL communicator was aborted on rank 0")
+        return _DoneWork()
+
+    def abort(self) -> None:
+        super().abort()
+        self.abort_called.set()
+        if self.abort_unblocks:
+            self._released.set()
+
+    def release(self) -> None:
+        self._released.set()
+
+
+def _blocking_init_connector(
+    abort_unblocks: bool, timeout: float = 0.5
+) -> tuple[P2pNcclAFDConnector, dict[str, FakeBlockingInitNcclGroup]]:
+    config = AFDConfig(
+        role="attention",
+        connector="P2pNcclAFDConnector",
+        num_attention_ranks=1,
+        num_ffn_ranks=1,
+        transfer_timeout_s=timeout,
+    )
+    conn = P2pNcclAFDConnector(config, rank=0)
+    log: list[tuple[str, str, int]] = []
+    fakes = {d: FakeBlockingInitNcclGroup(d, log, {1}, abort_unblocks) for d in (A2F, F2A)}
+    conn.transport._group = DataPlaneGroup(store=None, gloo=None, nccl=dict(fakes))
+    return conn, fakes
+
+
+def _warm_up_in_thread(conn: P2pNcclAFDConnector, limit: float) -> tuple[Any, float]:
+    """Run the warm-up on a thread (so that the test fails instead of hanging when the
+    warm-up is not bounded); returns (its exception, seconds it took)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        start = time.monotonic()
+        try:
+            conn.transport._warm_up_communicators()
+        except BaseException as exc:
+            out["error"] = exc
+        out["elapsed"] = time.monotonic() - start
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    assert not thread.is_alive(), (
+        f"the warm-up is still blocked in NCCL's communicator set-up after {limit} s "
+        "(transfer_timeout_s does not bound it)"
+    )
+    return out.get("error"), out["elapsed"]
+
+
+@pytest.mark.parametrize("abort_unblocks", [True, False], ids=["nonblocking-init", "blocking-init"])
+def test_an_nccl_set_up_blocked_on_a_dead_peer_times_out_and_aborts(abort_unblocks: bool) -> None:
+    """The peer passed the gloo barrier and died: the first NCCL call of the pair blocks
+    in the communicator set-up. init()'s warm-up must still fail within
+    transfer_timeout_s (+ margin) with AFDTimeoutError and abort both communicators,
+    whether or not the abort ends the blocked call."""
+    conn, fakes = _blocking_init_connector(abort_unblocks, timeout=0.5)
+    try:
+        error, elapsed = _warm_up_in_thread(conn, limit=10.0)
+        assert isinstance(error, AFDTimeoutError), error
+        assert "sending to ffn rank 0" in str(error)
+        assert "communicator set-up" in str(error) and "aborted" in str(error)
+        assert 0.45 <= elapsed < 0.5 + 2.0
+        assert all(f.abort_called.is_set() for f in fakes.values())
+        assert fakes[A2F].blocked_calls == 1  # blocked in the first (A->F) call
+        with pytest.raises(AFDPeerLostError, match="communicator set-up did not finish"):
+            conn._check_peer(1)  # the peer is unusable now
+    finally:
+        for f in fakes.values():
+            f.release()
+
+
+def test_a_peer_seen_dead_during_the_nccl_set_up_fails_init_at_once() -> None:
+    """The sentinel watcher sees the peer's process gone while the set-up is blocked:
+    AFDPeerLostError well before transfer_timeout_s, communicators aborted."""
+    conn, fakes = _blocking_init_connector(abort_unblocks=False, timeout=30.0)
+    threading.Timer(0.2, lambda: conn.transport._lost.__setitem__(1, "Connection closed")).start()
+    try:
+        error, elapsed = _warm_up_in_thread(conn, limit=10.0)
+        assert isinstance(error, AFDPeerLostError), error
+        assert "Connection closed" in str(error) and "communicator set-up" in str(error)
+        assert elapsed < 5.0
+        assert all(f.abort_called.is_set() for f in fakes.values())
+    finally:
+        for f in fakes.values():
+            f.release()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from afd_connectors_gpu.p2p import P2pGlooAFDConnector, P2pNcclAFDConnector
+from afd_connectors_gpu.p2p import P2pGlooAFDConnector, P2pNcclAFDConnector, buffer_plan
 from afd_core.config import AFDConfig
 from afd_core.errors import (
     AFDConfigError,
@@ -79,7 +81,72 @@ def test_gloo_connector_validates_its_extra_config() -> None:
     conn = P2pGlooAFDConnector(
         _config(connector_extra_config={"buffer_pool": True, "max_num_tokens": 4}), rank=0
     )
-    assert conn.extra_config == {"buffer_pool": True, "max_num_tokens": 4}
+    assert conn.extra_config == {
+        "buffer_pool": True,
+        "max_num_tokens": 4,
+        "hidden_size": None,
+        "dtype": None,
+    }
+    with pytest.raises(AFDConfigError, match="hidden_size"):
+        P2pGlooAFDConnector(_config(connector_extra_config={"hidden_size": 0}), rank=0)
+    with pytest.raises(AFDConfigError, match="dtype"):
+        P2pGlooAFDConnector(_config(connector_extra_config={"dtype": "int8"}), rank=0)
+
+
+class _ModelConfig:
+    def __init__(self, hidden: int, dtype: Any, top_k: int) -> None:
+        self.dtype = dtype
+        self.hf_text_config = types.SimpleNamespace(num_experts_per_tok=top_k)
+        self._hidden = hidden
+
+    def get_hidden_size(self) -> int:
+        return self._hidden
+
+
+def test_the_buffer_plan_reads_vllms_current_config_when_the_process_runs_vllm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inside vLLM (the model build, the FFN server) the connector reserves for the
+    engine's token budget, hidden size and dtype, and the top-k of a gate on Attention
+    (vLLM's config stubbed at its module: nothing is imported)."""
+    import torch
+
+    engine = types.SimpleNamespace(
+        model_config=_ModelConfig(24, torch.float16, 4),
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=100),
+    )
+    stub = types.SimpleNamespace(get_current_vllm_config_or_none=lambda: engine)
+    monkeypatch.setitem(sys.modules, "vllm.config", stub)  # type: ignore[arg-type]
+    config = AFDConfig(
+        role="ffn", compute_gate_on_attention=True, connector_extra_config={"buffer_pool": True}
+    )
+    conn = P2pGlooAFDConnector(config, rank=0)
+    tokens, hidden, dtype, steps = buffer_plan(conn) or (0, 0, "", [])
+    assert (tokens, hidden, dtype) == (100, 24, "float16")  # budget < max_num_tokens 16384
+    assert steps == [
+        ("recv", 0, ((24,), "float16")),
+        ("send", 0, ((24,), "float16")),
+        ("recv", 1, ((4,), "int32")),
+        ("recv", 2, ((4,), "float32")),
+    ]
+    # The deployment fingerprint, then the connector's own keys, win over the engine's.
+    conn.identity = {"hidden_size": "32", "dtype": "bfloat16", "top_k": "2"}
+    assert buffer_plan(conn) is not None
+    assert buffer_plan(conn)[1:3] == (32, "bfloat16")  # type: ignore[index]
+    extra = {"buffer_pool": True, "hidden_size": 8, "dtype": "float32", "max_num_tokens": 64}
+    explicit = AFDConfig(role="ffn", connector_extra_config=extra)
+    assert buffer_plan(P2pGlooAFDConnector(explicit, rank=0)) == (
+        64,
+        8,
+        "float32",
+        [("recv", 0, ((8,), "float32")), ("send", 0, ((8,), "float32"))],
+    )
+
+
+def test_no_hidden_size_anywhere_means_no_reservation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "vllm.config", raising=False)
+    conn = P2pGlooAFDConnector(_config(connector_extra_config={"buffer_pool": True}), rank=0)
+    assert buffer_plan(conn) is None
 
 
 class _Sched:

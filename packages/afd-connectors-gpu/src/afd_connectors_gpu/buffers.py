@@ -7,6 +7,12 @@ hands out a view of the first ``num_tokens`` rows. A buffer's address stays fixe
 its bucket has been used, which is what a captured CUDA graph of the transfers needs,
 and no tensor is allocated per layer.
 
+The buffers of the largest bucket the engine can send (its ``max_num_batched_tokens``)
+are made in the connector's ``init()`` (:meth:`BufferPool.reserve`): the Attention role
+builds its connectors while vLLM builds the model, so vLLM's memory profiling counts
+them before it sizes the KV cache. A smaller bucket's buffers (all of them together
+smaller than the largest) are made on its first use.
+
 A buffer is keyed by everything that may be in flight at the same time:
 (direction, peer, bucket, trailing shape, dtype, tensor slot, micro-batch). The peer is
 part of the key because an FFN rank receives from (and answers) several attention
@@ -21,20 +27,35 @@ path of the NCCL connector except NCCL itself runs on CPU).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from afd_core.errors import AFDTransferMismatchError
 from afd_core.transfer import dtype_name
 
-__all__ = ["BufferPool", "DEFAULT_MAX_NUM_TOKENS"]
+__all__ = ["BufferPool", "DEFAULT_MAX_NUM_TOKENS", "Reservation"]
 
-#: Default largest message (tokens). Buffers are made on first use of a bucket, so a
-#: large limit costs nothing until it is used (or preallocated).
+#: Default largest message (tokens). Only the bucket of the engine's token budget is
+#: reserved in init(), so a large limit costs nothing until it is used.
 DEFAULT_MAX_NUM_TOKENS = 16384
 
 # (trailing shape, dtype name) of one tensor of a message.
 Spec = tuple[tuple[int, ...], str]
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What the pool holds after :meth:`BufferPool.reserve`: ``per_peer[peer]`` bytes
+    of each peer's buffers, ``buffers`` buffers in all, ``rows``: the reserved bucket."""
+
+    rows: int
+    per_peer: dict[int, int]
+    buffers: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_peer.values())
 
 
 class BufferPool:
@@ -118,15 +139,36 @@ class BufferPool:
         buf = self.buffer(key)
         return buf, buf[:num_tokens]
 
-    def preallocate(self, peers: tuple[int, ...], spec: Spec, num_micro_batches: int) -> int:
-        """Make the receive buffers of every bucket for ``spec``; returns the bytes made."""
-        made = 0
+    def reserve(
+        self,
+        peers: Iterable[int],
+        plan: Iterable[tuple[str, int, Spec]],
+        num_micro_batches: int,
+        num_tokens: int,
+    ) -> Reservation:
+        """Make, now, the buffers of the bucket of ``num_tokens`` for every (direction,
+        slot, spec) of ``plan``, every peer and every micro-batch. Returns what the pool
+        holds then, per peer (buffers made earlier included)."""
+        rows = self.bucket_of(num_tokens)
+        per_peer: dict[int, int] = {}
+        steps = list(plan)
         for peer in peers:
-            for bucket in self.buckets():
+            for direction, slot, spec in steps:
                 for mb in range(num_micro_batches):
-                    buf = self.buffer(self.key("recv", peer, bucket, spec, 0, mb))
-                    made += buf.numel() * buf.element_size()
-        return made
+                    self.buffer(self.key(direction, peer, rows, spec, slot, mb))
+            per_peer[peer] = 0
+        for key, buf in self._buffers.items():
+            if key[1] in per_peer:
+                per_peer[key[1]] += buf.numel() * buf.element_size()
+        return Reservation(rows=rows, per_peer=per_peer, buffers=len(self._buffers))
+
+    def nbytes(self) -> int:
+        """Bytes of every buffer of the pool."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def buffers(self) -> dict[tuple[Any, ...], Any]:
+        """Key -> buffer, every buffer made so far (for inspection)."""
+        return dict(self._buffers)
 
     def clear(self) -> None:
         self._buffers.clear()

@@ -24,17 +24,19 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import socket
+import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
 
-from afd_connectors_gpu.buffers import DEFAULT_MAX_NUM_TOKENS, BufferPool
+from afd_connectors_gpu.buffers import DEFAULT_MAX_NUM_TOKENS, BufferPool, Reservation
 from afd_connectors_gpu.rendezvous import A2F, F2A, DataPlaneGroup, join_data_plane
-from afd_core.config import AFDConfig, AFDRole
+from afd_core.config import AFDConfig, AFDRole, RoutingPayload
 from afd_core.connector import ConnectorCapabilities
 from afd_core.errors import AFDConfigError, AFDPeerLostError, AFDTransferMismatchError
 from afd_core.exchange import (
@@ -70,6 +72,103 @@ _FOREVER = timedelta(days=365)
 # NCCL's own watchdog timeout: well past afd's transfer deadline, so that afd aborts a
 # late operation (and reports it) before torch's watchdog tears the process down.
 _NCCL_WATCHDOG_MARGIN_S = 60.0
+# NCCL communicator set-up (the warm-up's calls) is polled this often; an abort of
+# communicators still being set up is waited for at most this long.
+_SETUP_POLL_S = 0.005
+_ABORT_GRACE_S = 1.0
+
+# Bytes reserved by the pool connectors of this process:
+# id(transport) -> ("attention rank 0", "plane 1/2" or the connector's label, bytes).
+_reserved_lock = threading.Lock()
+_reserved: dict[int, tuple[str, str, int]] = {}
+
+
+def _is_last_plane(plane: str) -> bool:
+    """``"1/2"`` (FFN expert plane 1 of 2) -> True."""
+    index, _, count = plane.partition("/")
+    return index.isdigit() and count.isdigit() and int(index) == int(count) - 1
+
+
+def _engine_config() -> Any:
+    """vLLM's current config when this process runs inside vLLM (the model build and
+    the FFN server set it), else None; never imports vLLM."""
+    module = sys.modules.get("vllm.config")
+    getter = getattr(module, "get_current_vllm_config_or_none", None)
+    if getter is None:
+        return None
+    try:
+        return getter()
+    except Exception:  # a vLLM without the helper, or no config: nothing to read
+        return None
+
+
+def _role_rank(connector: ExchangeConnector, peer: int) -> tuple[str, int]:
+    role, rank = connector.topology.role_rank_of(peer)
+    return role.value, rank
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        return None
+    return n if n > 0 else None
+
+
+def buffer_plan(
+    connector: ExchangeConnector,
+) -> tuple[int, int, str, list[tuple[str, int, Spec]]] | None:
+    """``(tokens, hidden size, dtype, [(direction, slot, spec)])``: what a pool
+    connector reserves in ``init()``, or None when the hidden size is unknown.
+
+    * tokens: the engine's ``max_num_batched_tokens`` (vLLM's current config) when it is
+      below ``connector_extra_config['max_num_tokens']``, else that limit;
+    * hidden size and dtype: ``connector_extra_config['hidden_size']`` / ``['dtype']``,
+      else the deployment fingerprint the connector was created with (``hidden_size``,
+      ``dtype``), else vLLM's model config;
+    * tensors: the hidden-width tensor of each direction (A->F hidden states, F->A
+      output; this role sends one and receives the other), plus top-k ids and weights
+      when the gate runs on Attention and sends top-k (their width from the fingerprint's
+      ``top_k`` or the model config). Router logits, token ids and a separate
+      shared-expert output are made on first use (sized for the same largest bucket).
+    """
+    extra = connector.extra_config
+    identity = connector.identity or {}
+    engine = _engine_config()
+    model = getattr(engine, "model_config", None)
+    text = getattr(model, "hf_text_config", None)
+    hidden = _int_or_none(extra.get("hidden_size"))
+    if hidden is None:
+        hidden = _int_or_none(identity.get("hidden_size"))
+    if hidden is None and model is not None:
+        with contextlib.suppress(Exception):
+            hidden = _int_or_none(model.get_hidden_size())
+    if hidden is None:
+        return None
+    dtype = extra.get("dtype") or identity.get("dtype")
+    if dtype is None and model is not None:
+        dtype = str(getattr(model, "dtype", "")).removeprefix("torch.") or None
+    if dtype not in ("bfloat16", "float16", "float32"):
+        dtype = "bfloat16"
+    tokens = int(extra["max_num_tokens"])
+    scheduler = getattr(engine, "scheduler_config", None)
+    budget = _int_or_none(getattr(scheduler, "max_num_batched_tokens", None))
+    if budget is not None:
+        tokens = min(tokens, budget)
+    attention = connector.role is AFDRole.ATTENTION
+    a2f, f2a = ("send", "recv") if attention else ("recv", "send")
+    steps: list[tuple[str, int, Spec]] = [
+        (a2f, 0, ((hidden,), dtype)),
+        (f2a, 0, ((hidden,), dtype)),
+    ]
+    config = connector.config
+    if config.compute_gate_on_attention and config.routing_payload is RoutingPayload.TOPK:
+        top_k = _int_or_none(identity.get("top_k"))
+        if top_k is None:
+            top_k = _int_or_none(getattr(text, "num_experts_per_tok", None))
+        if top_k is not None:
+            steps += [(a2f, 1, ((top_k,), "int32")), (a2f, 2, ((top_k,), "float32"))]
+    return tokens, hidden, dtype, steps
 
 
 class GlooTransport(Transport):
@@ -94,6 +193,9 @@ class GlooTransport(Transport):
             self._pool = BufferPool(max_num_tokens=limit, device=None, label=c.label)
         self._device: Any = None
         self._attention = c.role is AFDRole.ATTENTION
+        #: What ``init()`` reserved in the buffer pool (None: nothing) and the line it logged.
+        self.reservation: Reservation | None = None
+        self.buffer_report = ""
 
     # -- lifecycle -----------------------------------------------------------------
     def connect(self) -> None:
@@ -112,6 +214,7 @@ class GlooTransport(Transport):
             self._pool.device = self._device
         self._after_join(group)
         self._group = group
+        self._reserve_buffers()
         self.ready = True
         logger.debug("%s joined the data plane at %s", c.label, c.where)
 
@@ -158,8 +261,62 @@ class GlooTransport(Transport):
             self._pending_sends.clear()
             if self._pool is not None:
                 self._pool.clear()
+            with _reserved_lock:
+                _reserved.pop(id(self), None)
             self._group = None
             self.ready = False
+
+    # -- buffers reserved in init --------------------------------------------------
+    def _reserve_buffers(self) -> None:
+        """Make the pool's buffers of the largest bucket for every peer and micro-batch
+        now (see :func:`buffer_plan`), and log what the AFD buffers take.
+
+        Called in ``init()``: the Attention role builds its connectors while vLLM builds
+        the model, before vLLM's memory profiling sizes the KV cache, so vLLM counts
+        these bytes; a connector made per FFN expert plane reserves its own.
+        """
+        c = self.connector
+        if self._pool is None:
+            self.buffer_report = (
+                f"AFD buffers of {c.label}: 0 bytes reserved (gloo without buffer_pool "
+                "allocates each message's tensors when it arrives)"
+            )
+            logger.info("%s", self.buffer_report)
+            return
+        plan = buffer_plan(c)
+        if plan is None:
+            self.buffer_report = (
+                f"AFD buffers of {c.label}: 0 bytes reserved in init (hidden size unknown: "
+                "no vLLM config in this process and no connector_extra_config['hidden_size']); "
+                "buffers are made on first use"
+            )
+            logger.warning("%s", self.buffer_report)
+            return
+        tokens, hidden, dtype, steps = plan
+        res = self._pool.reserve(
+            c.peers, steps, c.config.num_micro_batches, min(tokens, self._pool.max_num_tokens)
+        )
+        self.reservation = res
+        plane = (c.identity or {}).get("expert_shard")
+        me = f"{c.role.value} rank {c.rank}"
+        with _reserved_lock:
+            _reserved[id(self)] = (me, f"plane {plane}" if plane else c.label, res.total)
+            process = [(w, n) for who, w, n in _reserved.values() if who == me]
+        per_peer = ", ".join(
+            "{} rank {}: {}".format(*_role_rank(c, p), n) for p, n in sorted(res.per_peer.items())
+        )
+        self.buffer_report = (
+            f"AFD buffers of {c.label}{f' (expert plane {plane})' if plane else ''}: "
+            f"{res.total} bytes ({res.total / 2**20:.1f} MiB) reserved in init, per peer "
+            f"[{per_peer}] ({res.buffers} buffers of {res.rows} tokens: largest bucket for "
+            f"{tokens} tokens, hidden {hidden} {dtype}, {c.config.num_micro_batches} "
+            f"micro-batch(es)); {me} in this process: {sum(n for _, n in process)} bytes "
+            f"over {len(process)} connector(s) ({', '.join(f'{w}: {n}' for w, n in process)})"
+        )
+        # One line per role: under FFN expert parallelism an Attention rank joins its
+        # planes in order, and the last one's line sums them all (an FFN rank has one).
+        last = plane is None or not self._attention or _is_last_plane(plane)
+        logger.log(logging.INFO if last else logging.DEBUG, "%s", self.buffer_report)
 
     # -- hooks for the NCCL flavour ------------------------------------------------
     def _uses_pool(self) -> bool:
@@ -403,13 +560,6 @@ class NcclTransport(GlooTransport):
                 name=f"afd-nccl-watch-{peer}",
                 daemon=True,
             ).start()
-        hidden = self.connector.extra_config["hidden_size"]
-        if hidden is not None and self._pool is not None:
-            spec: Spec = ((int(hidden),), str(self.connector.extra_config["dtype"]))
-            made = self._pool.preallocate(
-                self.connector.peers, spec, self.connector.config.num_micro_batches
-            )
-            logger.info("%s: preallocated %.1f MiB of receive buffers", self.label, made / 2**20)
 
     def connect(self) -> None:
         super().connect()
@@ -422,7 +572,15 @@ class NcclTransport(GlooTransport):
         operation, together on both ranks, blocking: every rank visits its pairs in the
         same global order (attention rank, FFN rank, A->F before F->A), so two ranks never
         wait for each other in opposite orders. A peer that does not answer within
-        ``transfer_timeout_s`` fails ``init()`` as a late exchange would."""
+        ``transfer_timeout_s`` fails ``init()`` as a late exchange would.
+
+        The first operation of a pair builds its communicator inside the call itself
+        (``pg.send`` / ``pg.recv`` do not return until NCCL's set-up has met the peer), so
+        each call is posted from a helper thread and bounded (:meth:`_post_bounded`): a
+        peer that died after the gloo barrier fails ``init()`` with
+        :class:`AFDPeerLostError` (seen by its sentinel) or, at the latest after
+        ``transfer_timeout_s``, with :class:`AFDTimeoutError`, and the communicators are
+        aborted."""
         import torch
 
         group = self._group
@@ -439,10 +597,11 @@ class NcclTransport(GlooTransport):
                 else ((a2f, "recv", "receiving from"), (f2a, "send", "sending to"))
             )
             for pg, op, action in steps:
-                work = getattr(pg, op)([one if op == "send" else torch.empty_like(one)],
-                                       peer, _DATA_TAG)  # fmt: skip
                 ctx = TransferContext(self.connector, peer, time.monotonic() + timeout, timeout,
                                       action)  # fmt: skip
+                tensor = one if op == "send" else torch.empty_like(one)
+                post = functools.partial(getattr(pg, op), [tensor], peer, _DATA_TAG)
+                work = self._post_bounded(post, ctx)
                 self._wait_data(work, ctx)
         logger.info(
             "%s: NCCL communicators with %d peer(s) set up in %.2f s (both directions)",
@@ -450,6 +609,50 @@ class NcclTransport(GlooTransport):
             len(self.connector.peers),
             time.monotonic() - t0,
         )
+
+    def _post_bounded(self, post: Callable[[], Any], ctx: TransferContext) -> Any:
+        """``post()`` (an NCCL send or receive, which may block while NCCL builds the
+        pair's communicator) run on a helper thread; its work, or an error once this
+        connector is closed, the peer's sentinel reports it gone, or ``ctx``'s deadline
+        passes (then the communicators are aborted; a call still blocked in NCCL's
+        set-up stays on its daemon thread until the abort or NCCL ends it)."""
+        import torch
+
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["work"] = post()
+            except BaseException as exc:  # handed to the caller below
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"afd-nccl-setup-{ctx.peer}", daemon=True).start()
+        while not done.wait(_SETUP_POLL_S):
+            if self.connector.closed:
+                raise ctx.closed_error()
+            lost = self._lost.get(ctx.peer)
+            if lost is not None:
+                self._fail_nccl("its process exited or closed", background=True)
+                ctx.break_peer("its process exited or closed")
+                raise ctx.lost_error(f"{lost} (during NCCL's communicator set-up)")
+            if time.monotonic() > ctx.deadline:
+                self._fail_nccl(
+                    f"NCCL's communicator set-up did not finish within {ctx.timeout:g} s",
+                    background=True,
+                )
+                raise ctx.timeout_error(
+                    "; NCCL's communicator set-up with it did not finish, the NCCL "
+                    "communicators were aborted"
+                )
+        error = box.get("error")
+        if error is not None:
+            if isinstance(error, (RuntimeError, torch.distributed.DistError)):
+                raise self._map_error(error, ctx) from error
+            raise error
+        return box["work"]
 
     def _watch_peer(self, work: Any, peer: int) -> None:
         try:
@@ -475,11 +678,27 @@ class NcclTransport(GlooTransport):
             "the NCCL communicators were aborted, create a new connector"
         )
 
-    def _fail_nccl(self, reason: str) -> None:
+    def _fail_nccl(self, reason: str, *, background: bool = False) -> None:
         """An NCCL operation failed or is late: abort the communicators (queued operations
-        would otherwise run later or trip torch's watchdog); no peer is usable after that."""
+        would otherwise run later or trip torch's watchdog); no peer is usable after that.
+
+        ``background``: abort from a helper thread, waiting for it at most
+        ``_ABORT_GRACE_S`` (a communicator still being set up may hold torch's locks)."""
         group = self._group
-        if group is not None:
+        if group is not None and background:
+            aborter = threading.Thread(
+                target=self._abort_nccl, args=(group,), name="afd-nccl-abort", daemon=True
+            )
+            aborter.start()
+            aborter.join(_ABORT_GRACE_S)
+            if aborter.is_alive():
+                logger.warning(
+                    "%s: aborting the NCCL communicators has not returned after %g s; "
+                    "leaving it to a background thread",
+                    self.label,
+                    _ABORT_GRACE_S,
+                )
+        elif group is not None:
             self._abort_nccl(group)
         for p in self.connector.peers:
             self.connector.break_peer(p, reason, keep_first=True)
@@ -546,11 +765,17 @@ class P2pAFDConnector(ExchangeConnector):
             )
 
 
-def _pool_keys(cls_name: str, extra: Mapping[str, Any], out: dict[str, Any]) -> None:
+def _pool_keys(cls: type[P2pAFDConnector], extra: Mapping[str, Any], out: dict[str, Any]) -> None:
     """Validate the buffer-pool keys shared by both flavours into ``out``."""
     out["max_num_tokens"] = positive_int(
-        cls_name, "max_num_tokens", extra.get("max_num_tokens", DEFAULT_MAX_NUM_TOKENS)
+        cls.name, "max_num_tokens", extra.get("max_num_tokens", DEFAULT_MAX_NUM_TOKENS)
     )
+    out["hidden_size"] = extra.get("hidden_size")
+    if out["hidden_size"] is not None:
+        positive_int(cls.name, "hidden_size", out["hidden_size"])
+    out["dtype"] = extra.get("dtype")
+    if out["dtype"] is not None:
+        cls.check_dtype(out["dtype"])
 
 
 def _cpu_tensor(values: Sequence[int]) -> Any:
@@ -574,7 +799,9 @@ class P2pGlooAFDConnector(P2pAFDConnector):
     capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities(
         platforms=frozenset({"cpu"})
     )
-    extra_keys: ClassVar[frozenset[str]] = frozenset({"buffer_pool", "max_num_tokens"})
+    extra_keys: ClassVar[frozenset[str]] = frozenset(
+        {"buffer_pool", "max_num_tokens", "hidden_size", "dtype"}
+    )
 
     @classmethod
     def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -586,7 +813,7 @@ class P2pGlooAFDConnector(P2pAFDConnector):
                 f"false, got {pool!r}"
             )
         out: dict[str, Any] = {"buffer_pool": pool}
-        _pool_keys(cls.name, extra, out)
+        _pool_keys(cls, extra, out)
         return out
 
 
@@ -627,12 +854,8 @@ class P2pNcclAFDConnector(P2pAFDConnector):
     @classmethod
     def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
         cls.check_extra_keys(extra)
-        out: dict[str, Any] = {
-            "device": extra.get("device"),
-            "hidden_size": extra.get("hidden_size"),
-            "dtype": extra.get("dtype", "bfloat16"),
-        }
-        _pool_keys(cls.name, extra, out)
+        out: dict[str, Any] = {"device": extra.get("device")}
+        _pool_keys(cls, extra, out)
         if out["device"] is not None and (
             not isinstance(out["device"], int)
             or isinstance(out["device"], bool)
@@ -642,9 +865,6 @@ class P2pNcclAFDConnector(P2pAFDConnector):
                 f"connector_extra_config['device'] of {cls.name}: expected a CUDA device "
                 f"index >= 0, got {out['device']!r}"
             )
-        if out["hidden_size"] is not None:
-            positive_int(cls.name, "hidden_size", out["hidden_size"])
-        cls.check_dtype(out["dtype"])
         return out
 
     @property
