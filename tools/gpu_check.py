@@ -42,6 +42,18 @@ What it runs, each part in fresh spawned processes (one per AFD rank):
    communicators (recorded by a test-only subclass) and leave the device able to
    synchronize.
 
+7. ``piecewise_graph_contract`` (in this process; torch only): vLLM's piecewise CUDA
+   graphs as they run a model split at a splitting op, with real ``torch.cuda.CUDAGraph``
+   pieces: piece 1 (``relu(a(x))``, captured) -> an eager custom op whose body runs host
+   code, as the AFD exchange does -> piece 2 (``b(y + x)``, captured, reading the op's
+   result). Captured once on a static input, then replayed on new inputs with the op
+   run eagerly between the pieces (``CUDAGraphWrapper`` copies no inputs). Three ops:
+   ``clone_return`` (returns a fresh tensor: afd's op before issue 40), ``output_write``
+   (writes into an ``output`` the traced code allocated before the op, ``mutates_args``:
+   vLLM's splitting-op contract) and ``afd_exchange`` (afd's ``afd::exchange`` as the
+   Attention role's compiled graph calls it). For each: whether the op's result stayed
+   at the address piece 2 captured, and whether the replayed output equals eager.
+
 Prints one JSON document (also written to ``--out``). This is a tool, not a test: the
 GPU-marked tests need one GPU per rank (see docs/gpu.md).
 """
@@ -336,6 +348,125 @@ def compiled_exchange_probe() -> dict[str, Any]:
     return result
 
 
+def piecewise_contract_probe() -> dict[str, Any]:
+    """Part 7 (in this process, cuda:0): see the module docstring."""
+    import torch
+
+    result: dict[str, Any] = {}
+    try:
+        lib = "afd_gpu_check"
+
+        def host_body(x: torch.Tensor) -> torch.Tensor:
+            return (x.cpu() * 2 + 1).to(x.device)  # host code between the pieces
+
+        # Explicit schemas: this module's annotations are strings and torch is not one of
+        # its globals, so the schema cannot be inferred from them.
+        @torch.library.custom_op(
+            f"{lib}::clone_return", mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
+        def clone_return(x: torch.Tensor) -> torch.Tensor:
+            return host_body(x).clone()
+
+        @torch.library.custom_op(
+            f"{lib}::output_write",
+            mutates_args=("output",),
+            schema="(Tensor x, Tensor(a!) output) -> ()",
+        )
+        def output_write(x: torch.Tensor, output: torch.Tensor) -> None:
+            output.copy_(host_body(x))
+
+        # name -> (op, writes into an output allocated by piece 1?)
+        variants: dict[str, tuple[Any, bool]] = {
+            "clone_return": (lambda h, out: clone_return(h), False),
+            "output_write": (lambda h, out: output_write(h, out), True),
+        }
+        try:
+            from afd_moe_runners import exchange_op
+
+            class HostLayer:
+                def afd_exchange(
+                    self, x: torch.Tensor, logits: torch.Tensor | None
+                ) -> torch.Tensor:
+                    return host_body(x)
+
+            host_layer = HostLayer()  # the registry holds layers weakly: keep it alive
+            exchange_op.register_layer("probe.layers.1.mlp", host_layer)
+            variants["afd_exchange"] = (
+                lambda h, out: torch.ops.afd.exchange(h, None, out, "probe.layers.1.mlp"),
+                True,
+            )
+        except Exception as exc:  # afd not importable here: report, go on
+            result["afd_exchange"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+        torch.manual_seed(0)
+        a = torch.nn.Linear(HIDDEN, HIDDEN).cuda()
+        b = torch.nn.Linear(HIDDEN, HIDDEN).cuda()
+        for name, (op, writes) in variants.items():
+            try:
+                result[name] = _piecewise_run(torch, a, b, op, writes, host_body)
+            except Exception as exc:
+                result[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    except Exception:
+        result["error"] = traceback.format_exc()[-2000:]
+    return result
+
+
+def _piecewise_run(
+    torch: Any, a: Any, b: Any, op: Any, writes: bool, host_body: Any
+) -> dict[str, Any]:
+    """Capture piece 1 and piece 2 around an eager ``op``, replay on new inputs. With
+    ``writes`` piece 1 also allocates the op's output (traced code, graph memory) and the
+    op writes into it; otherwise the op returns its result."""
+    tokens = 16
+    static_x = torch.zeros(tokens, HIDDEN, device="cuda")
+    with torch.no_grad():
+
+        def piece1(x: Any) -> Any:
+            h = torch.relu(a(x))
+            return h, (torch.empty_like(h) if writes else None)
+
+        def run_op(h: Any, out: Any) -> Any:
+            got = op(h, out)
+            return out if writes else got
+
+        def piece2(y: Any, x: Any) -> Any:
+            return b(y + x)
+
+        def eager(x: Any) -> Any:
+            return piece2(host_body(torch.relu(a(x))), x)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up, as vLLM runs before capturing
+            piece2(run_op(*piece1(static_x)), static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        pool = torch.cuda.graph_pool_handle()
+        g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g1, pool=pool):
+            h, out = piece1(static_x)
+        y = run_op(h, out)  # eager between the pieces (reads what capture left in h)
+        captured = y.data_ptr()
+        with torch.cuda.graph(g2, pool=pool):
+            z = piece2(y, static_x)
+        stable, equal, worst = [], [], 0.0
+        for seed in range(3):
+            x = torch.randn(tokens, HIDDEN, device="cuda") * (seed + 1)
+            static_x.copy_(x)
+            g1.replay()
+            y_now = run_op(h, out)
+            stable.append(y_now.data_ptr() == captured)
+            g2.replay()
+            torch.cuda.synchronize()
+            want = eager(x)
+            worst = max(worst, float((z - want).abs().max()))
+            equal.append(bool(torch.allclose(z, want, atol=1e-4, rtol=1e-4)))
+        return {
+            "op_result_at_captured_address": all(stable),
+            "replay_equals_eager": all(equal),
+            "max_abs_diff_vs_eager": worst,
+        }
+
 def micro_batch_threads_probe() -> dict[str, Any]:
     """Part 5 (in this process, on the last GPU): see the module docstring."""
     import torch
@@ -407,6 +538,7 @@ def main() -> int:
     report["nccl_peer_loss"] = _run("peer_loss", 1, 1)
     report["compiled_exchange"] = compiled_exchange_probe()
     report["micro_batch_threads"] = micro_batch_threads_probe()
+    report["piecewise_graph_contract"] = piecewise_contract_probe()
     report["nccl_send_timeout"] = nccl_send_timeout_probe()
     text = json.dumps(report, indent=2)
     print(text)

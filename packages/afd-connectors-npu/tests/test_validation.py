@@ -168,3 +168,40 @@ def test_the_connectors_start_up_hook_applies_these_rules() -> None:
     with pytest.raises(AFDConfigError, match="needs the Ascend platform"):
         CAMAsyncAFDConnector.check_deployment(_config(ASYNC, **GATE), vllm_config, platform="cpu")
     CAMAsyncAFDConnector.check_deployment(_config(ASYNC, **GATE), vllm_config, platform="npu")
+
+
+@pytest.mark.parametrize("connector", [P2P, ASYNC])
+def test_acl_graphs_are_refused_on_the_attention_role(connector: str) -> None:
+    """vllm-ascend captures ACL graphs by default; no CAM transport is known to be
+    capturable, so a graph mode on the Attention role is refused naming --enforce-eager
+    (an eager engine, or one without graphs, passes; the FFN role runs no graphs)."""
+    from afd_connectors_npu import CAMAsyncAFDConnector, CAMP2pAFDConnector
+
+    cls = CAMP2pAFDConnector if connector == P2P else CAMAsyncAFDConnector
+
+    def vllm_config(eager: bool, graphs: str) -> Any:
+        return SimpleNamespace(
+            model_config=SimpleNamespace(
+                architectures=["DeepseekV4ForCausalLM"], enforce_eager=eager
+            ),
+            parallel_config=SimpleNamespace(
+                tensor_parallel_size=1, enable_dbo=False, ubatch_size=0
+            ),
+            compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=graphs)),
+        )
+
+    for graphs in ("PIECEWISE", "FULL_DECODE_ONLY"):
+        with pytest.raises(AFDConfigError, match=f"ACL graphs .*{graphs}.*--enforce-eager"):
+            cls.check_deployment(
+                _config(connector, **GATE), vllm_config(False, graphs), platform="npu"
+            )
+        cls.check_deployment(_config(connector, **GATE), vllm_config(True, graphs), platform="npu")
+        ffn = AFDConfig(role="ffn", connector=connector, **GATE)
+        cls.check_deployment(ffn, vllm_config(False, graphs), platform="npu")
+    cls.check_deployment(_config(connector, **GATE), vllm_config(False, "NONE"), platform="npu")
+    assert shape_from_vllm_config(vllm_config(False, "PIECEWISE"), platform="npu").graph_mode == (
+        "PIECEWISE"
+    )
+    assert shape_from_vllm_config(vllm_config(True, "PIECEWISE"), platform="npu").graph_mode == (
+        "NONE"
+    )

@@ -213,10 +213,11 @@ def test_eager_forward_does_not_go_through_the_op(blocks: Blocks) -> None:
     assert exchange_op.compiled_calls() == before
 
 
-def test_the_op_hands_out_memory_the_graph_owns() -> None:
-    """A connector may answer with a view of its receive buffer (valid until its next
-    receive); a compiled graph may write into what an op returned. So the op returns a
-    copy, never the connector's buffer."""
+def test_the_op_writes_into_the_output_the_graph_allocated() -> None:
+    """vLLM's splitting-op contract: the traced code allocates the output and the op
+    writes into it (a captured graph piece reads that address again on every replay).
+    A connector may answer with a view of its receive buffer (valid until its next
+    receive), so what the graph holds must never be that buffer."""
     import torch
 
     from afd_moe_runners import exchange_op
@@ -233,8 +234,10 @@ def test_the_op_hands_out_memory_the_graph_owns() -> None:
     layer = BufferedLayer()
     exchange_op.register_layer("test.layers.0.mlp", layer)
     x = torch.randn(5, 8)
-    out = torch.ops.afd.exchange(x, None, "test.layers.0.mlp")
+    out = torch.full((5, 8), float("nan"))
+    address = out.data_ptr()
+    assert torch.ops.afd.exchange(x, None, out, "test.layers.0.mlp") is None
+    assert out.data_ptr() == address
     assert torch.equal(out, x * 2)
-    assert out.untyped_storage().data_ptr() != layer.buffer.untyped_storage().data_ptr()
     layer.afd_exchange(torch.ones(5, 8), None)  # the connector's next receive
     assert torch.equal(out, x * 2)

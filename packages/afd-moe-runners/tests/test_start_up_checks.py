@@ -167,6 +167,31 @@ def test_full_cuda_graphs_are_refused_at_the_model_build(monkeypatch) -> None:
     )
 
 
+def test_breakable_cuda_graphs_are_refused_by_name(monkeypatch) -> None:
+    """Breakable CUDA graphs capture the whole forward (exchange included): refused on
+    CUDA and ROCm whatever the graph mode, naming the variable; eager and graph-less
+    engines are not affected."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    from afd_moe_runners.role_model import compiled_graph_problem
+
+    piecewise = engine(
+        eager=False, mode=CompilationMode.VLLM_COMPILE, graphs=CUDAGraphMode.PIECEWISE
+    )
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
+    assert compiled_graph_problem(piecewise, "cuda", "M") is None
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    for platform in ("cuda", "rocm"):
+        problem = compiled_graph_problem(piecewise, platform, "AFDQwen3MoeForCausalLM")
+        assert problem is not None and "AFDQwen3MoeForCausalLM" in problem
+        assert "VLLM_USE_BREAKABLE_CUDAGRAPH=1" in problem
+        assert "VLLM_USE_BREAKABLE_CUDAGRAPH=0" in problem and "--enforce-eager" in problem
+    no_graphs = engine(eager=False, mode=CompilationMode.VLLM_COMPILE, graphs=CUDAGraphMode.NONE)
+    assert compiled_graph_problem(no_graphs, "cuda", "M") is None
+    eager = engine(eager=True, mode=CompilationMode.NONE, graphs=CUDAGraphMode.PIECEWISE)
+    assert compiled_graph_problem(eager, "cuda", "M") is None
+
+
 @pytest.mark.parametrize(
     ("afd", "tp", "problem"),
     [

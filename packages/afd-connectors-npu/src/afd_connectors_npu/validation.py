@@ -11,6 +11,11 @@ Rules for the CAM connectors (:data:`CAM_CONNECTORS`):
 * CAMP2p with the Attention-side gate (``compute_gate_on_attention=true``) is supported
   for DeepSeek-V4 (``DeepseekV4ForCausalLM``) only, with tensor parallel size 1, without
   DBO and without micro-batching (vLLM ``--ubatch-size`` > 1 or ``afd.num_micro_batches`` > 1);
+* graph modes: vllm-ascend captures ACL graphs by default, and no CAM transport has
+  been shown to be capturable (its operators run between graph pieces on the host, as
+  the exchange does on CUDA, or inside a captured graph): the Attention role runs eager
+  (``--enforce-eager``) until a CAM transport declares itself capturable
+  (:data:`GRAPH_CAPTURABLE_CONNECTORS`, empty today);
 * both roles agree on the settings in :func:`handshake_digest` (the connectors compare
   them in ``init()``; :func:`check_roles_agree` compares two configs directly).
 """
@@ -30,6 +35,7 @@ __all__ = [
     "CAM_CONNECTORS",
     "ASCEND_PLATFORM",
     "GATE_ON_ATTENTION_ARCHITECTURES",
+    "GRAPH_CAPTURABLE_CONNECTORS",
     "NPUDeploymentShape",
     "shape_from_vllm_config",
     "validate_npu_deployment",
@@ -44,6 +50,8 @@ CAM_CONNECTORS = frozenset({CAMP2P, CAMASYNC})
 ASCEND_PLATFORM = "npu"
 GATE_ON_ATTENTION_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM"})
 """Native architectures for which CAMP2p's Attention-side gate is supported."""
+GRAPH_CAPTURABLE_CONNECTORS: frozenset[str] = frozenset()
+"""CAM connectors whose exchange may run under an ACL graph (none has been shown to)."""
 
 _AFD_ARCH_PREFIX = "AFD"  # --hf-overrides selects "AFD<Arch>" wrappers of native models
 
@@ -60,6 +68,10 @@ class NPUDeploymentShape:
     enable_dbo: bool = False
     num_ubatches: int = 0
     """vLLM's ``parallel_config.ubatch_size`` (0 or 1: no micro-batching)."""
+    graph_mode: str = "NONE"
+    """The graph mode this engine runs: ``"NONE"`` when eager (``--enforce-eager``) or when
+    ``compilation_config.cudagraph_mode`` is NONE, else that mode's name (on Ascend the
+    ACL graph mode vllm-ascend captures)."""
 
     @property
     def native_architecture(self) -> str:
@@ -87,12 +99,17 @@ def shape_from_vllm_config(vllm_config: Any, *, platform: str | None = None) -> 
     if not archs:
         archs = getattr(getattr(model_config, "hf_config", None), "architectures", None)
     parallel = vllm_config.parallel_config
+    graphs = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    graph_mode = "NONE" if graphs is None else str(getattr(graphs, "name", graphs))
+    if getattr(model_config, "enforce_eager", False):
+        graph_mode = "NONE"
     return NPUDeploymentShape(
         platform=_detect_platform() if platform is None else platform,
         architecture=str(archs[0]) if archs else "",
         tensor_parallel_size=int(getattr(parallel, "tensor_parallel_size", 1)),
         enable_dbo=bool(getattr(parallel, "enable_dbo", False)),
         num_ubatches=int(getattr(parallel, "ubatch_size", 0) or 0),
+        graph_mode=graph_mode,
     )
 
 
@@ -114,6 +131,18 @@ def validate_npu_deployment(afd_config: AFDConfig, shape: NPUDeploymentShape) ->
         raise AFDConfigError(
             f"afd.routing_payload={afd_config.routing_payload.value!r} is not carried by "
             f"{name}; set afd.routing_payload='topk'"
+        )
+    if (
+        afd_config.role is AFDRole.ATTENTION
+        and shape.graph_mode != "NONE"
+        and name not in GRAPH_CAPTURABLE_CONNECTORS
+    ):
+        raise AFDConfigError(
+            f"the Attention role would run ACL graphs (cudagraph_mode {shape.graph_mode}, "
+            f"vllm-ascend's default), but {name} has not been shown to be capturable: its "
+            "exchange would be captured once and replayed without its host-side transfer, "
+            "or be fed the memory a capture leaves behind; start the Attention role with "
+            "--enforce-eager (or cudagraph_mode NONE)"
         )
     if name == CAMASYNC:
         if not afd_config.compute_gate_on_attention:

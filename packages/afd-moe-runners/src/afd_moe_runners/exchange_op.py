@@ -10,7 +10,10 @@ inductor fuses everything around it and never looks inside; at run time the op f
 its layer by name and runs the layer's eager exchange (route, send, yield, receive,
 combine), which reads this step's connector from vLLM's forward context.
 
-Eager mode calls the layer directly (:func:`exchange`), without the dispatcher.
+The op keeps vLLM's splitting-op contract (as ``vllm::unified_attention_with_output``):
+the traced code allocates the output and the op writes into it, returning nothing (see
+:func:`_exchange_op`). Eager mode calls the layer directly (:func:`exchange`), without the
+dispatcher and without the copy.
 
 On CUDA the op is also the graph-splitting point for piecewise CUDA graphs
 (:data:`SPLITTING_OP`, see :func:`afd_moe_runners.role_model.compiled_graph_problem`).
@@ -80,28 +83,35 @@ def _layer(name: str) -> ExchangeLayer:
     return layer
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
+@torch.library.custom_op(OP_NAME, mutates_args=("output",))
 def _exchange_op(
-    hidden_states: torch.Tensor, router_logits: torch.Tensor | None, layer_name: str
-) -> torch.Tensor:
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor | None,
+    output: torch.Tensor,
+    layer_name: str,
+) -> None:
     if _CALLS[0] == 0:
         logger.info("%s %s (first call: %s)", COMPILED_LOG, OP_NAME, layer_name)
     _CALLS[0] += 1
-    out = _layer(layer_name).afd_exchange(hidden_states, router_logits)
-    # The compiled graph owns what the op returns: inductor may write later results into
-    # that buffer once the value is dead. A connector's received tensor can be a view of
-    # its own receive buffer, valid until the next receive (shared memory, the NCCL
-    # pool), which would then overwrite a live value of the graph (measured: the tiny
-    # DeepSeek-V3 served over shared memory diverged from native on every prompt). So
-    # the op hands out a copy (one [tokens, hidden] copy per layer; eager skips it).
-    return out.clone()
+    # vLLM's splitting-op contract (as ``vllm::unified_attention_with_output``): the
+    # traced code allocates ``output`` and the op writes into it, returning nothing. A
+    # piecewise CUDA graph replays the piece after the op with the input addresses it
+    # saw at capture and copies no inputs (``CUDAGraphWrapper``), so a fresh tensor
+    # returned from here would be read from a stale address on every replay. Writing
+    # into ``output`` also keeps the graph's memory apart from the connector's: a
+    # received tensor may be a view of a receive buffer that the next receive
+    # overwrites (shared memory, the NCCL pool).
+    output.copy_(_layer(layer_name).afd_exchange(hidden_states, router_logits))
 
 
 @_exchange_op.register_fake
 def _exchange_fake(
-    hidden_states: torch.Tensor, router_logits: torch.Tensor | None, layer_name: str
-) -> torch.Tensor:
-    return torch.empty_like(hidden_states)
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor | None,
+    output: torch.Tensor,
+    layer_name: str,
+) -> None:
+    return None
 
 
 def exchange(
@@ -112,5 +122,7 @@ def exchange(
 ) -> torch.Tensor:
     """The layer's exchange: through the op while Dynamo traces, directly otherwise."""
     if torch.compiler.is_compiling():
-        return torch.ops.afd.exchange(hidden_states, router_logits, name)  # type: ignore[no-any-return]
+        output = torch.empty_like(hidden_states)
+        torch.ops.afd.exchange(hidden_states, router_logits, output, name)
+        return output
     return layer.afd_exchange(hidden_states, router_logits)

@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.v1.worker.ubatch_utils import UBatchSlice
 
 from afd_core.connector import AFDConnector
@@ -77,6 +78,9 @@ MICRO_BATCH_PLAN_KEY = "afd.micro_batch_plan"
 """``ForwardContext.additional_kwargs`` key of the step's plan (a list of ``UBatchSlice``)."""
 
 _PAYLOAD_FIELDS = ("hidden_states", "topk_ids", "topk_weights", "router_logits", "token_ids")
+
+#: ``cudagraph_runtime_mode`` of a split micro-batch (see :func:`run_micro_batches`).
+_NO_GRAPHS = CUDAGraphMode.NONE
 
 
 def plan_micro_batches(
@@ -255,14 +259,23 @@ def run_micro_batches(
     input_ids: torch.Tensor | None,
     positions: torch.Tensor,
     inputs_embeds: torch.Tensor | None,
+    num_tokens: int | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Run ``forward(input_ids, positions, None, inputs_embeds, **kwargs)`` per micro-batch.
 
-    ``plan`` None: the whole batch is micro-batch 0 (its metadata is the step's own)
-    and micro-batches 1..m-1 are shadows. Otherwise ``ctx.attn_metadata`` and
-    ``ctx.slot_mapping`` are vLLM's per-micro-batch lists for ``plan``; micro-batches
-    past ``len(plan)`` are shadows.
+    ``plan`` None: the whole batch is micro-batch 0 (its metadata is the step's own, and
+    of its rows the first ``num_tokens`` carry tokens: None all,
+    :func:`afd_moe_runners.role_model.real_token_count`) and micro-batches 1..m-1 are
+    shadows. Otherwise ``ctx.attn_metadata`` and ``ctx.slot_mapping`` are vLLM's
+    per-micro-batch lists for ``plan`` (a planned step has no padding rows);
+    micro-batches past ``len(plan)`` are shadows.
+
+    CUDA graphs: a split micro-batch runs with ``cudagraph_runtime_mode`` NONE and no
+    batch descriptor (its compiled pieces run without graph replay). The step's mode and
+    descriptor name graphs captured for the whole batch's token count; a piecewise graph
+    replayed for a micro-batch would read and write the whole batch's addresses. The
+    whole batch (``plan`` None) keeps the step's own mode.
     """
     m = num_micro_batches
     real = 1 if plan is None else len(plan)
@@ -276,23 +289,28 @@ def run_micro_batches(
     def meta(i: int) -> AFDStepMetadata:
         return AFDStepMetadata(
             connector=connector, micro_batch_idx=i, num_micro_batches=m,
+            num_tokens=num_tokens if plan is None and i == 0 else None,
             scheduler=scheduler_box[0],
         )  # fmt: skip
 
     for i in range(m):
         if plan is None or i >= real:
-            attn, slot, padding = (ctx.attn_metadata, ctx.slot_mapping, ctx.is_padding)
-        else:
-            s = slices[i]
-            attn = ctx.attn_metadata[i]
-            slot = ctx.slot_mapping[i] if isinstance(ctx.slot_mapping, list) else {}
-            padding = None if ctx.is_padding is None else ctx.is_padding[s]
+            contexts.append(
+                dataclasses.replace(ctx, additional_kwargs=dict(ctx.additional_kwargs))
+            )
+            continue
+        s = slices[i]
         contexts.append(
             dataclasses.replace(
-                ctx, attn_metadata=attn, slot_mapping=slot, is_padding=padding,
+                ctx,
+                attn_metadata=ctx.attn_metadata[i],
+                slot_mapping=ctx.slot_mapping[i] if isinstance(ctx.slot_mapping, list) else {},
+                is_padding=None if ctx.is_padding is None else ctx.is_padding[s],
+                cudagraph_runtime_mode=_NO_GRAPHS,
+                batch_descriptor=None,
                 additional_kwargs=dict(ctx.additional_kwargs),
             )
-        )  # fmt: skip
+        )
     scheduler = PingPongScheduler(contexts)
     scheduler_box.append(scheduler)
     for i, c in enumerate(contexts):

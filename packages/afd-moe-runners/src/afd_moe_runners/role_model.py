@@ -59,6 +59,7 @@ __all__ = [
     "check_supported_parallelism",
     "tensor_parallel_problem",
     "compiled_graph_problem",
+    "real_token_count",
     "micro_batching_problem",
     "model_runner_check",
     "layer_index",
@@ -193,6 +194,12 @@ _GRAPH_PLATFORMS = frozenset({"cpu", "cuda", "rocm"})
 _FULL_GRAPH_MODES = frozenset({"FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"})
 
 
+def _breakable_cuda_graphs() -> bool:
+    import vllm.envs as envs
+
+    return bool(envs.VLLM_USE_BREAKABLE_CUDAGRAPH)
+
+
 def _current_device_type() -> str:
     from vllm.platforms import current_platform
 
@@ -211,9 +218,14 @@ def compiled_graph_problem(vllm_config: Any, platform: str, model_name: str) -> 
       opaque custom op (:mod:`afd_moe_runners.exchange_op`) in the compiled graph.
     * CUDA graphs: ``PIECEWISE`` only, split at the exchange op (added to
       ``splitting_ops`` here): the pieces between two exchanges are captured, the
-      exchange runs eagerly between them. ``FULL``, ``FULL_DECODE_ONLY`` and
-      ``FULL_AND_PIECEWISE`` (vLLM's CUDA default) are refused, naming the mode to use.
-    * other platforms (Ascend): their connectors decide (``check_deployment``).
+      exchange runs eagerly between them and writes into the output the piece before it
+      allocated (:mod:`afd_moe_runners.exchange_op`). ``FULL``, ``FULL_DECODE_ONLY`` and
+      ``FULL_AND_PIECEWISE`` (vLLM's CUDA default) are refused, naming the mode to use;
+      so are breakable CUDA graphs (``VLLM_USE_BREAKABLE_CUDAGRAPH=1``, which vLLM also
+      switches on for ``VLLM_BATCH_INVARIANT=1`` and some architectures): they capture
+      the whole forward, exchange included.
+    * other platforms (Ascend): their connectors decide (``check_deployment``; the CAM
+      connectors refuse ACL graphs).
     """
     if platform not in _GRAPH_PLATFORMS:
         return None
@@ -225,6 +237,15 @@ def compiled_graph_problem(vllm_config: Any, platform: str, model_name: str) -> 
     graph_mode = "NONE" if graphs is None else str(getattr(graphs, "name", graphs))
     if graph_mode == "NONE":
         return None
+    if _breakable_cuda_graphs():
+        return (
+            f"{model_name}: VLLM_USE_BREAKABLE_CUDAGRAPH=1 (breakable CUDA graphs; vLLM "
+            "also turns them on for VLLM_BATCH_INVARIANT=1 and some architectures) is not "
+            "supported by afd: it captures the whole forward, the per-layer AFD exchange "
+            "included, whose connector runs host code every layer. Set "
+            "VLLM_USE_BREAKABLE_CUDAGRAPH=0 (afd then splits piecewise graphs at the "
+            "exchange) or start the Attention role with --enforce-eager"
+        )
     if graph_mode in _FULL_GRAPH_MODES:
         return (
             f"{model_name}: CUDA graph mode {graph_mode} is not supported by afd on "
@@ -559,6 +580,7 @@ class RoleRuntime:
 
         ctx = get_forward_context()
         plan = ctx.additional_kwargs.pop(micro_batching.MICRO_BATCH_PLAN_KEY, None)
+        num_tokens = real_token_count(ctx)
         m = self.afd.num_micro_batches
         if m > 1 and (plan is not None or self.data_parallel_size > 1):
             call = _bind_forward(args, kwargs)
@@ -572,9 +594,10 @@ class RoleRuntime:
                     call["input_ids"],
                     call["positions"],
                     call["inputs_embeds"],
+                    num_tokens=num_tokens,
                     **call["rest"],
                 )
-        set_step_metadata(ctx, AFDStepMetadata(connector=self.connector))
+        set_step_metadata(ctx, AFDStepMetadata(connector=self.connector, num_tokens=num_tokens))
         return forward(*args, **kwargs)
 
     def _check_inventory(self, model: nn.Module, *, when: str) -> None:
@@ -611,6 +634,32 @@ class RoleRuntime:
             " ".join(f"{k}={v}" for k, v in sorted(self.inventory.items())),
             stats.summary(),
         )
+
+
+def real_token_count(ctx: Any) -> int | None:
+    """How many leading rows of this step carry tokens, or None when every row does.
+
+    Only those rows travel to the FFN role (:func:`afd_moe_runners.exchange.send_to_ffn`;
+    the others come back as zeros). vLLM pads a step to a captured CUDA-graph size, and
+    its dummy steps carry no token at all: CUDA-graph capture (whose exchanges would
+    otherwise ship the uninitialised memory a capture leaves in the piece before the op)
+    and its warm-up runs, the compile warm-up, an idle data-parallel rank's step. vLLM
+    says which rows are padding in ``ForwardContext.is_padding`` (its profile run counts
+    every row as real: its dummy tokens are computed eagerly and are finite, and they
+    size the FFN role's largest batch). A real step's attention metadata carries the
+    same count as a host integer (``num_actual_tokens``), read first so that a real step
+    costs no device-to-host read; dummy steps (no attention metadata) read the mask.
+    """
+    attn = getattr(ctx, "attn_metadata", None)
+    if isinstance(attn, dict):
+        for metadata in attn.values():
+            count = getattr(metadata, "num_actual_tokens", None)
+            if isinstance(count, int):
+                return count
+    pad = getattr(ctx, "is_padding", None)
+    if pad is None:
+        return None
+    return int(pad.shape[0]) - int(pad.sum())
 
 
 def _tensor_parallel_place(vllm_config: VllmConfig) -> tuple[int, int]:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "DEEPSEEK_V3_STYLE",
     "QWEN3_STYLE",
     "MoEEnv",
+    "PiecewiseGraphStandIn",
     "model_dtype",
     "session_vllm_config",
 ]
@@ -304,3 +305,84 @@ class MoEEnv:
         if failure:
             raise failure[0]
         return out
+
+
+class PiecewiseGraphStandIn:
+    """A CPU stand-in for vLLM's ``CUDAGraphWrapper`` around one piece of a piecewise
+    compiled graph (vLLM builds it through ``current_platform.get_static_graph_wrapper_cls``
+    with the same arguments), keeping the contract a CUDA graph imposes:
+
+    * the first call in ``PIECEWISE`` mode for a batch descriptor is the *capture*: the
+      piece runs, its tensor inputs' addresses and the tensors themselves are kept, and
+      its float outputs are filled with NaN afterwards (a capture records kernels without
+      running them: what the eager code between two pieces reads during a capture is
+      uninitialised memory);
+    * every later call for that descriptor is a *replay*: a graph reads the addresses it
+      captured, whatever the caller passes, and writes its outputs where it wrote them at
+      capture. So the piece runs on the captured inputs, its results are copied into the
+      captured outputs, and those are returned. An input at another address than at
+      capture is recorded in :attr:`mismatches` (what vLLM checks with
+      ``VLLM_LOGGING_LEVEL=DEBUG`` on CUDA): its data never reaches the graph;
+    * any other mode (NONE, or a FULL mode) runs the piece directly, as vLLM's wrapper.
+
+    :attr:`instances` lists every stand-in made (in piece order); :attr:`modes` of each
+    records the runtime mode of every call.
+    """
+
+    instances: ClassVar[list[PiecewiseGraphStandIn]] = []
+
+    def __init__(
+        self, runnable: Any, vllm_config: Any, runtime_mode: Any, cudagraph_options: Any = None
+    ) -> None:
+        self.runnable = runnable
+        self.runtime_mode = runtime_mode
+        self.entries: dict[Any, tuple[list[int], tuple[Any, ...], Any]] = {}
+        self.mismatches: list[tuple[Any, list[int]]] = []
+        self.modes: list[str] = []
+        PiecewiseGraphStandIn.instances.append(self)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["runnable"], name)
+
+    def __call__(self, *args: Any) -> Any:
+        import torch
+        from vllm.forward_context import get_forward_context
+
+        ctx = get_forward_context()
+        mode = ctx.cudagraph_runtime_mode
+        self.modes.append(mode.name)
+        if mode != self.runtime_mode:
+            return self.runnable(*args)
+        key = ctx.batch_descriptor
+        addresses = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
+        entry = self.entries.get(key)
+        if entry is None:
+            output = self.runnable(*args)
+            for t in _tensors(output):
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
+            self.entries[key] = (addresses, args, output)
+            return output
+        captured, inputs, output = entry
+        if addresses != captured:
+            self.mismatches.append(
+                (
+                    key,
+                    [
+                        i
+                        for i, (a, b) in enumerate(zip(addresses, captured, strict=False))
+                        if a != b
+                    ],
+                )
+            )
+        fresh = self.runnable(*inputs)
+        for target, value in zip(_tensors(output), _tensors(fresh), strict=True):
+            target.copy_(value)
+        return output
+
+
+def _tensors(value: Any) -> list[Any]:
+    import torch
+
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    return [t for t in items if isinstance(t, torch.Tensor)]
