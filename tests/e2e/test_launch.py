@@ -10,7 +10,9 @@ attention ranks are connected); its ``/metrics`` and the attention server's carr
 AFD metrics of every rank. It is also the default run's 2A1F served parity case: the
 tiny DeepSeek-V3 with the gate on Attention (top-k payload) and two micro-batches, set by
 the upstream alias ``num_afd_stages`` (asked one request at a time, the busy DP rank runs
-each step whole and every rank adds a shadow micro-batch, so both send two per layer),
+each step whole and every rank adds a shadow micro-batch, so both send two per layer; the
+idle rank's dummy steps carry no token and send empty messages, so the FFN computes the
+busy rank's tokens alone, the rows native vLLM computes for that request),
 eager (``enforce_eager = true``; ``afd launch`` compiles by default, and the compiled
 cases are tests/e2e/test_compiled_parity.py, ``nox -s tests-compiled``); greedy tokens
 equal native vLLM asked the same way (the matrix runs the same case through ``afd
@@ -122,9 +124,11 @@ def test_2a1f_serves_and_stops_on_sigterm(
         for a in answers:
             assert a["choices"][0]["finish_reason"] == "length"
             assert a["usage"]["completion_tokens"] == 8
-        # Greedy and deterministic: the same prompt gives the same text again.
-        assert answers[0]["choices"][0]["text"] == lone["choices"][0]["text"]
-        # One request at a time: token for token what native vLLM answers.
+        # Two at once, the FFN computes both ranks' tokens in one call: in bfloat16 that is
+        # "serves in full" (docs/architecture.md, "What parity is promised"), not the
+        # lone answer's text (the expert kernels are not batch-invariant on every CPU).
+        # One request at a time (only the busy rank's tokens reach the FFN, the idle
+        # rank's dummy steps send none): token for token what native vLLM answers.
         got = [
             complete(urls[0], p, 32, 300, return_token_ids=True)["choices"][0]["token_ids"]
             for p in PROMPTS
