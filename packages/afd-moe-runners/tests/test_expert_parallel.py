@@ -180,3 +180,71 @@ def test_foreign_experts_are_dropped_and_rank0_parts_zeroed_before_loading() -> 
         out = dict(shard_checkpoint(iter(weights), 8, rank, 2))
         assert list(out) == [n for n in names if n != dropped], rank
         assert {n for n, t in out.items() if not t.any()} == zeroed, rank
+
+
+def _three_bf16_partials() -> list[torch.Tensor]:
+    """Three FFN ranks' bfloat16 answers whose running sum rounds differently from the
+    sum rounded once: 1 + 2^-8 is a tie that rounds to 1, 1 + 2^-8 + 2^-8 = 1 + 2^-7 is
+    exact (bfloat16 has 8 significant bits)."""
+    return [torch.full((3, 4), v, dtype=torch.bfloat16) for v in (1.0, 2.0**-8, 2.0**-8)]
+
+
+def test_combine_sums_the_partials_in_float32_and_rounds_once() -> None:
+    parts = _three_bf16_partials()
+    exact = torch.full((3, 4), 1.0 + 2.0**-7, dtype=torch.bfloat16)
+    # Gate on FFN: every FFN rank answers every row.
+    got = combine(3, [(None, FFNToAttention(p)) for p in parts]).output
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, exact), got[0, 0].item()
+    # Dispatch: each rank answers some rows (index_add_ into the rows it answers).
+    rows = torch.tensor([0, 2])
+    got = combine(3, [(rows, FFNToAttention(p[:2])) for p in parts]).output
+    assert torch.equal(got[rows], exact[:2]) and not got[1].any()
+
+
+def _serve_constant(ffn: LoopbackAFDConnector, value: float) -> None:
+    batch = ffn.recv_from_attention(timeout_s=20)
+    hidden = batch.payload.hidden_states
+    ffn.send_to_attention(batch, FFNToAttention(torch.full_like(hidden, value)))
+
+
+def test_an_attention_rank_rounds_the_sum_of_three_ffn_ranks_once() -> None:
+    """Gate on FFN, 3 FFN ranks, bfloat16: the answer the attention rank gets is the sum
+    of the three partials rounded once to bfloat16 (the dtype it sent)."""
+    ep = 3
+    attn = AFDConfig(
+        role="attention", connector="LoopbackAFDConnector", host="ep-test", port=next(_port),
+        num_ffn_ranks=ep, rank=0, ffn_expert_parallel=True,
+    )  # fmt: skip
+    ffns = [
+        LoopbackAFDConnector(
+            AFDConfig(
+                role="ffn", connector="LoopbackAFDConnector", host="ep-test", port=attn.port,
+                num_ffn_ranks=ep, rank=f, ffn_expert_parallel=True,
+            ).expert_plane(f),
+            rank=0,
+        )
+        for f in range(ep)
+    ]  # fmt: skip
+    for c in ffns:
+        c.init()
+    values = [p[0, 0].item() for p in _three_bf16_partials()]
+    threads = [
+        threading.Thread(target=_serve_constant, args=(ffns[f], values[f])) for f in range(ep)
+    ]
+    for t in threads:
+        t.start()
+    planes = [LoopbackAFDConnector(attn.expert_plane(f), rank=0) for f in range(ep)]
+    exchange = ExpertParallelExchange(
+        attn, rank=0, planes=planes, num_experts=EXPERTS, rank0_gets_every_row=False
+    )
+    exchange.init()
+    x = torch.zeros(5, HIDDEN, dtype=torch.bfloat16)
+    exchange.send_to_ffn(AttentionToFFN(x), layer_idx=0)
+    got = exchange.recv_from_ffn(layer_idx=0).output
+    for t in threads:
+        t.join(30)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, torch.full_like(x, 1.0 + 2.0**-7)), got[0, 0].item()
+    for c in (exchange, *ffns):
+        c.close()

@@ -150,8 +150,10 @@ def test_the_ranks_partial_blocks_sum_to_the_native_block(built: Built, family: 
 
 
 def test_a_top_k_payload_computes_exactly_the_shard_share(built: Built) -> None:
-    """Gate on Attention: global top-k ids and weights in; the rank's answer is bit for
-    bit the native experts' answer with the weights of other ranks' experts zeroed."""
+    """Gate on Attention: global top-k ids and weights in; the rank's answer is the native
+    experts' answer with the weights of other ranks' experts zeroed (float32: up to the
+    order of the sum over a token's local experts, which the rank adds itself; the
+    foreign experts are not computed, test_expert_shard_compaction.py)."""
     import torch
 
     from afd_core.topology import expert_shard
@@ -181,7 +183,7 @@ def test_a_top_k_payload_computes_exactly_the_shard_share(built: Built) -> None:
                 block.experts, AttentionToFFN(x, topk_ids=ids, topk_weights=weights)
             )
             assert got.abs().sum() > 0
-            assert torch.equal(got, ref), (rank, (got - ref).abs().max().item())
+            torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
             total += got
     torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-6)
 

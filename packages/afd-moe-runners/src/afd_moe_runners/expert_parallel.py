@@ -18,6 +18,11 @@ attention rank sends a layer to the FFN ranks and sums their partial answers:
   same experts, cheaper than routing on one rank and shipping the routing), with its
   weights; the partial outputs are summed.
 
+The attention rank adds the partial answers in float32 and rounds the sum once to the
+dtype it sent (:func:`combine`); each partial arrives in that dtype (the wire contract:
+an FFN answer has the dtype of the hidden states sent), rounded once by its FFN rank
+(:mod:`afd_moe_runners.expert_shard`).
+
 Each exchange with FFN rank f uses its own connector, the *expert plane* f
 (:meth:`afd_core.config.AFDConfig.expert_plane`: the attention ranks and FFN rank f on
 port ``port + f``), so the transports are the ordinary 1-FFN-rank connectors.
@@ -77,13 +82,21 @@ def shard_payload(payload: AttentionToFFN, rows: torch.Tensor, shard: range) -> 
 
 
 def combine(
-    rows: int, parts: Sequence[tuple[torch.Tensor | None, FFNToAttention]]
+    rows: int,
+    parts: Sequence[tuple[torch.Tensor | None, FFNToAttention]],
+    dtype: torch.dtype | None = None,
 ) -> FFNToAttention:
     """Sum the partial answers into ``rows`` rows: ``(row indices or None for all rows,
-    answer)`` per FFN rank. A shared output is summed the same way where sent."""
+    answer)`` per FFN rank. A shared output is summed the same way where sent.
+
+    The sum is taken in float32 (or wider) and rounded once to ``dtype`` (default: the
+    first answer's), not after each FFN rank's part: with three or more bfloat16 partials
+    rounding each running sum would add one rounding per rank."""
     first = parts[0][1].output
     assert isinstance(first, torch.Tensor)
-    out = first.new_zeros((rows, first.shape[1]))
+    dtype = first.dtype if dtype is None else dtype
+    acc = torch.promote_types(dtype, torch.float32)
+    out = first.new_zeros((rows, first.shape[1]), dtype=acc)
     shared: torch.Tensor | None = None
     for index, answer in parts:
         for name in ("output", "shared_output"):
@@ -97,11 +110,12 @@ def combine(
                 if shared is None:
                     shared = out.new_zeros(out.shape)
                 target = shared
+            part = part.to(acc)
             if index is None:
                 target += part
             else:
                 target.index_add_(0, index, part)
-    return FFNToAttention(out, shared_output=shared)
+    return FFNToAttention(out.to(dtype), shared_output=None if shared is None else shared.to(dtype))
 
 
 class ExpertParallelExchange(AFDConnector):
@@ -134,8 +148,9 @@ class ExpertParallelExchange(AFDConnector):
             expert_shard(num_experts, config.num_ffn_ranks, f) for f in range(len(planes))
         ]
         self.rank0_gets_every_row = rank0_gets_every_row
-        # (layer, micro-batch) -> (rows sent, row indices per FFN rank or None for all)
-        self._sent: dict[tuple[int, int], tuple[int, list[torch.Tensor | None]]] = {}
+        # (layer, micro-batch) -> (rows sent, their dtype, row indices per FFN rank or
+        # None for all)
+        self._sent: dict[tuple[int, int], tuple[int, torch.dtype, list[torch.Tensor | None]]] = {}
         #: Tokens sent to each FFN rank (the dispatch; read by tests and metrics).
         self.tokens_sent = [0] * len(planes)
 
@@ -183,19 +198,19 @@ class ExpertParallelExchange(AFDConnector):
             indices.append(index)
             self.tokens_sent[f] += rows if index is None else int(index.shape[0])
             plane.send_to_ffn(part, layer_idx=layer_idx, micro_batch_idx=micro_batch_idx)
-        self._sent[(layer_idx, micro_batch_idx)] = (int(hidden.shape[0]), indices)
+        self._sent[(layer_idx, micro_batch_idx)] = (int(hidden.shape[0]), hidden.dtype, indices)
 
     def recv_from_ffn(
         self, *, layer_idx: int, micro_batch_idx: int = 0, timeout_s: float | None = None
     ) -> FFNToAttention:
-        rows, indices = pop_sent(self._sent, self.label, layer_idx, micro_batch_idx)
+        rows, dtype, indices = pop_sent(self._sent, self.label, layer_idx, micro_batch_idx)
         parts = [
             (index, plane.recv_from_ffn(
                 layer_idx=layer_idx, micro_batch_idx=micro_batch_idx, timeout_s=timeout_s
             ))
             for plane, index in zip(self.planes, indices, strict=True)
         ]  # fmt: skip
-        return combine(rows, parts)
+        return combine(rows, parts, dtype)
 
     # -- FFN side (never on this connector) ------------------------------------
     def recv_from_attention(self, *, timeout_s: float | None = None) -> FFNBatch:

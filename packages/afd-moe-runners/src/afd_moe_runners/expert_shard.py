@@ -15,10 +15,21 @@ parallel path also crashes (VLLM_CPU_FACTS.md). So the FFN role passes the facto
 * loading: a checkpoint expert outside the shard maps to local id -1 and is skipped by
   vLLM's own loader (per-expert and fused checkpoints alike);
 * forward: the top-k ids arrive global (from the Attention role's gate, or the FFN
-  rank's own replicated router); ids outside the shard are sent to local expert 0 with
-  weight 0 and the others shifted to local ids, so the kernel computes exactly this
-  rank's experts' weighted sum (a zero-weight term adds an exact 0). Kernels that route
-  internally (monolithic) are refused.
+  rank's own replicated router). Foreign experts are never computed: vLLM CPU's fused
+  MoE kernel takes no expert map and no -1 ids (it counts tokens per expert by indexing
+  with the id), so the top-k is *compacted* (:func:`compact_routing`): every (token,
+  slot) pair whose expert is in the shard becomes one row of top-k 1 (the token's hidden
+  state, the local id, the slot's weight), the foreign pairs are dropped, and the kernel
+  runs once on those rows; the rank sums each token's rows in float32 and rounds once to
+  the model dtype (a token without a local expert answers 0). The kernel's cost here is
+  mostly streaming the weights of the experts it touches (once per call, so one call),
+  plus the rows: the foreign slots used to add their rows to local expert 0 and made
+  ``0 * inf = NaN`` of every token when that expert overflowed. In float32 a pair's
+  row is the kernel's own product, so a token's answer differs from the fused kernel's
+  only in the order (and fusing) of its sum; in bfloat16 the kernel rounds each pair's
+  weighted output to bfloat16 (it writes its output in the activation dtype), one more
+  rounding for tokens with two or more local experts (see docs/architecture.md, FFN
+  expert parallelism). Kernels that route internally (monolithic) are refused.
 
 The Attention role sums the FFN ranks' partial answers
 (:mod:`afd_moe_runners.expert_parallel`).
@@ -31,11 +42,44 @@ from typing import Any
 
 import torch
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
 
 from afd_core.errors import AFDConfigError
 from afd_core.topology import expert_shard
 
-__all__ = ["ExpertShardRoutedExperts", "held_experts", "shard_routed_experts_kwargs"]
+__all__ = [
+    "ExpertShardRoutedExperts",
+    "LocalSlots",
+    "compact_routing",
+    "held_experts",
+    "shard_routed_experts_kwargs",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSlots:
+    """The (token, slot) pairs of a global top-k whose expert is in one shard, as rows of
+    top-k 1, in token order then top-k order."""
+
+    rows: torch.Tensor
+    """[pairs] the token (row of the layer input) of each pair, int64, ascending."""
+    topk_ids: torch.Tensor
+    """[pairs, 1] its local expert id (the input ids' dtype)."""
+    topk_weights: torch.Tensor
+    """[pairs, 1] its weight."""
+
+
+def compact_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, shard: range) -> LocalSlots:
+    """Global top-k ``(ids, weights)`` -> this shard's (token, slot) pairs only, ids
+    shifted to local ids; the pairs of experts outside ``shard`` are dropped."""
+    local = topk_ids.to(torch.int64) - shard.start
+    mine = (local >= 0) & (local < len(shard))
+    rows, slots = mine.nonzero(as_tuple=True)
+    return LocalSlots(
+        rows,
+        local[rows, slots].to(topk_ids.dtype).unsqueeze(1),
+        topk_weights[rows, slots].unsqueeze(1),
+    )
 
 
 class ExpertShardRoutedExperts(RoutedExperts):
@@ -92,26 +136,39 @@ class ExpertShardRoutedExperts(RoutedExperts):
         shared_experts: Any = None,
         shared_experts_input: torch.Tensor | None = None,
     ) -> Any:
-        ids, weights = self.local_routing(topk_ids, topk_weights)
-        return super().forward_modular(
-            x,
-            weights,
-            ids,
-            shared_experts=shared_experts,
-            shared_experts_input=shared_experts_input,
-        )
-
-    def local_routing(
-        self, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global top-k ``(ids, weights)`` -> this shard's local ids, with the weights of
-        experts outside the shard zero (their ids point at local expert 0)."""
+        """The kernel on this shard's (token, slot) pairs only (:func:`compact_routing`),
+        one call; each token's pairs summed in float32, rounded once to ``x``'s dtype."""
         shard: range = self.afd_shard
-        local = topk_ids.to(torch.int64) - shard.start
-        mine = (local >= 0) & (local < len(shard))
-        ids = torch.where(mine, local, torch.zeros_like(local)).to(topk_ids.dtype)
-        weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
-        return ids, weights
+        if len(shard) == self.global_num_experts:  # one FFN rank holds every expert
+            return super().forward_modular(
+                x,
+                topk_weights,
+                topk_ids,
+                shared_experts=shared_experts,
+                shared_experts_input=shared_experts_input,
+            )
+        if shared_experts is not None:
+            # What the kernel would do inside (a no-op unless the shared experts overlap
+            # with the kernel's finalize); the call below runs without them.
+            assert shared_experts_input is not None
+            shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
+        pairs = compact_routing(topk_ids, topk_weights, shard)
+        if pairs.rows.numel() == 0:
+            return x.new_zeros(x.shape)
+        part = super().forward_modular(
+            x.index_select(0, pairs.rows), pairs.topk_weights, pairs.topk_ids
+        )
+        if not isinstance(part, torch.Tensor):
+            raise AFDConfigError(
+                f"{self.layer_name} (afd.ffn_expert_parallel): the expert kernel returned a "
+                f"deferred output ({type(part).__name__}); the shard sums its rows itself "
+                "and needs them finalized"
+            )
+        total = torch.zeros(
+            x.shape, dtype=torch.promote_types(part.dtype, torch.float32), device=x.device
+        )
+        total.index_add_(0, pairs.rows, part.to(total.dtype))
+        return total.to(x.dtype)
 
 
 def shard_routed_experts_kwargs(ep_rank: int, ep_size: int) -> dict[str, Any]:
