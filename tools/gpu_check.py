@@ -467,6 +467,7 @@ def _piecewise_run(
             "max_abs_diff_vs_eager": worst,
         }
 
+
 def micro_batch_threads_probe() -> dict[str, Any]:
     """Part 5 (in this process, on the last GPU): see the module docstring."""
     import torch

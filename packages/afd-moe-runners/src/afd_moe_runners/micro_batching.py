@@ -295,9 +295,7 @@ def run_micro_batches(
 
     for i in range(m):
         if plan is None or i >= real:
-            contexts.append(
-                dataclasses.replace(ctx, additional_kwargs=dict(ctx.additional_kwargs))
-            )
+            contexts.append(dataclasses.replace(ctx, additional_kwargs=dict(ctx.additional_kwargs)))
             continue
         s = slices[i]
         contexts.append(
