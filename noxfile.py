@@ -160,7 +160,7 @@ def tests_matrix(session: nox.Session) -> None:
     )  # fmt: skip
     pytest(
         session, "packages", "tests", "-m",
-        "matrix and not gpu and not npu and not compiled and not extended",
+        "matrix and not gpu and not npu and not extended",
         "--durations=20", python=str(venv / "bin" / "python"), workers=PYTEST_WORKERS,
     )  # fmt: skip
 
@@ -182,11 +182,10 @@ def tests_extended(session: nox.Session) -> None:
 
 @nox.session(name="tests-compiled", venv_backend="none")
 def tests_compiled(session: nox.Session) -> None:
-    """The end-to-end runs in vLLM's compile mode (``@pytest.mark.compiled``), in the
-    ``tests`` session's venv (run ``nox -s tests`` once first). By hand: each case compiles
-    a native reference and its roles, minutes CI's budget does not have; CI serves
-    compiled in install-smoke's ``afd demo``, which fails if its Attention role ran eager
-    (docs/development.md)."""
+    """The end-to-end runs in vLLM's compile mode (``@pytest.mark.compiled``) alone, in the
+    ``tests`` session's venv (run ``nox -s tests`` once first). CI runs them in
+    ``tests-matrix`` (each is also ``matrix``); this session is for running them by hand
+    after a change to the compiled path (docs/development.md)."""
     python = ROOT / ".nox" / "tests" / "bin" / "python"
     if not python.exists():
         session.error("run `nox -s tests` first: this session uses its venv")

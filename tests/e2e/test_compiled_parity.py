@@ -1,17 +1,18 @@
 """Compiled execution (vLLM's default compile mode): greedy tokens equal native vLLM
 compiled (10 prompts x 32 tokens).
 
-**Served, float32** (``afd launch``, one request at a time): each family runs both gate
-placements and both topologies (1A1F, 2A1F with two data-parallel attention ranks),
-crossed: DeepSeek-V3-style (grouped top-k, correction bias, routed scaling, shared
-experts, a dense first layer) gate on FFN 1A1F here and gate on Attention 2A1F (with
-m=2) in the default run (tests/e2e/test_launch.py); Qwen3-MoE gate on Attention 1A1F and
-gate on FFN 2A1F here. The deployments use the launcher's defaults (shared-memory
-connector, own cores per role), so the Attention role compiles (Dynamo, inductor) and
-the FFN role runs eager. Every attention rank proves it ran the compiled graph: the
-exchange op logs its first call, which an eager forward never reaches. Where native
-compiled and native eager differ (measured: every prompt of the tiny DeepSeek-V3 in
-float32), AFD compiled equals native compiled.
+**Served, float32** (``afd launch``, one request at a time, against native vLLM compiled
+served the same way: ``afd launch --native``): each family runs both gate placements and
+both topologies (1A1F, 2A1F with two data-parallel attention ranks), crossed:
+DeepSeek-V3-style (grouped top-k, correction bias, routed scaling, shared experts, a dense
+first layer) gate on FFN 1A1F and gate on Attention 2A1F with m=2 micro-batches;
+Qwen3-MoE gate on Attention 1A1F and gate on FFN 2A1F. The deployments use the
+launcher's defaults (shared-memory connector, own cores per role), so the Attention role
+compiles (Dynamo, inductor) and the FFN role runs eager. Every attention rank proves it
+ran the compiled graph: the exchange op logs its first call, which an eager forward never
+reaches. Where native compiled and native eager differ (measured: every prompt of the
+tiny DeepSeek-V3 in float32), AFD compiled equals native compiled. CI runs every case
+here (``nox -s tests-matrix``).
 
 **Batched, bfloat16**: the exchange op is a graph boundary that native vLLM's graph does
 not have, and in bfloat16 inductor's rounding around the FFN blocks then differs (plain
@@ -34,7 +35,7 @@ from typing import Any
 
 import pytest
 from afd_processes import afd_settings, assert_same_tokens, run_offline_afd
-from afd_references import COMPILED, COMPILED_BOUNDARIES, batch, singles
+from afd_references import COMPILED, COMPILED_BOUNDARIES, COMPILED_SERVED, batch, singles
 
 from afd.tools.reference import FIXED_PROMPTS
 
@@ -51,7 +52,7 @@ PROMPTS = list(FIXED_PROMPTS[:10])
 
 CASES = [
     pytest.param("deepseek_v3", False, 1, id="deepseek_v3-gate_ffn-1A1F"),
-    # deepseek_v3 gate on Attention 2A1F: tests/e2e/test_launch.py (default run)
+    pytest.param("deepseek_v3", True, 2, id="deepseek_v3-gate_attention-2A1F-m2"),
     pytest.param("qwen3_moe", True, 1, id="qwen3_moe-gate_attention-1A1F"),
     pytest.param("qwen3_moe", False, 2, id="qwen3_moe-gate_ffn-2A1F"),
 ]
@@ -73,7 +74,10 @@ def test_compiled_served_tokens_equal_native_compiled(
     from afd_moe_runners.exchange_op import COMPILED_LOG
 
     model = tiny_qwen_models[None] if arch == "qwen3_moe" else tiny_models[arch]
-    native = native_references.tokens(model, singles(PROMPTS), dtype="float32", llm_kwargs=COMPILED)
+    native = native_references.tokens(
+        model, singles(PROMPTS), dtype="float32", llm_kwargs=COMPILED_SERVED
+    )
+    micro_batches = {"num_micro_batches": 2} if arch == "deepseek_v3" and gate_on_attention else {}
     spec = DeploymentSpec(
         model=str(model),
         num_attention=num_attention,
@@ -81,7 +85,7 @@ def test_compiled_served_tokens_equal_native_compiled(
         dtype="float32",
         max_model_len=512,
         log_dir=str(tmp_path / "logs"),
-        afd={"connect_timeout_s": 300, "transfer_timeout_s": 120},
+        afd={"connect_timeout_s": 300, "transfer_timeout_s": 120, **micro_batches},
     )
     assert not spec.enforce_eager  # the launcher's default: compiled
     console = io.StringIO()

@@ -24,9 +24,9 @@ test_expert_parallel.py, test_expert_shard.py). The deployments run eager
 (``enforce_eager = true``) against eager native references, except the ``-compiled``
 cases: deployment and native reference in vLLM's default compile mode, every TP worker
 proving it ran the compiled graph (the exchange op's first-call log line). Attention TP2
-+ FFN EP2 compiled (gate on Attention) runs in CI (``matrix``, ~3 min); DeepSeek-V3 EP2
-compiled (gate on FFN) in ``nox -s tests-compiled``. Compiled, native vLLM's routing
-cannot be recorded, so the dispatch proof is the eager cases'.
++ FFN EP2 compiled (gate on Attention) and DeepSeek-V3 EP2 compiled (gate on FFN; its
+eager twin is ``extended``) run in CI (``matrix``, ~3 min each). Compiled, native vLLM's
+routing cannot be recorded, so the dispatch proof is the eager cases'.
 """
 
 from __future__ import annotations
@@ -126,8 +126,8 @@ def _dispatched(model: Path, routing: list[dict[str, list[list[int]]]], ep: int)
     return counts
 
 
-# Three cases in `nox -s tests-matrix` (CI), one in `tests-compiled`, the rest `extended`
-# (see the module docstring).
+# Three cases in `nox -s tests-matrix` (CI; the two compiled ones also in `tests-compiled`),
+# the rest `extended` (see the module docstring).
 @pytest.mark.timeout(900)  # a TP=2 native reference and TP workers start slowly on 2 cores
 @pytest.mark.parametrize(
     ("family", "tp", "dp", "ep", "gate", "compiled"),
@@ -144,10 +144,12 @@ def _dispatched(model: Path, routing: list[dict[str, list[list[int]]]], ep: int)
         # MLA under TP: native TP=2 gives other tokens than TP=1 on this build
         # (VLLM_CPU_FACTS.md), so Attention TP2 is compared with native TP=2.
         _case(2, 1, 1, "attention-topk", EXTENDED, family="deepseek_v3"),
-        _case(1, 1, 2, "ffn", MATRIX, family="deepseek_v3"),
+        # Eager, the same layout as the compiled case below (CI runs that one: the
+        # launcher's default mode, the same FFN side).
+        _case(1, 1, 2, "ffn", EXTENDED, family="deepseek_v3"),
         # vLLM's default compile mode on both sides (the launcher's default).
-        _case(2, 1, 2, "attention-topk", MATRIX, compiled=True),
-        _case(1, 1, 2, "ffn", COMPILED, family="deepseek_v3", compiled=True),
+        _case(2, 1, 2, "attention-topk", MATRIX, COMPILED, compiled=True),
+        _case(1, 1, 2, "ffn", MATRIX, COMPILED, family="deepseek_v3", compiled=True),
     ],
 )
 def test_parallel_layout_served_tokens_equal_native(
