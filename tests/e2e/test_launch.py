@@ -10,11 +10,14 @@ attention ranks are connected); its ``/metrics`` and the attention server's carr
 AFD metrics of every rank. It is also the default run's 2A1F served parity case: the
 tiny DeepSeek-V3 with the gate on Attention (top-k payload) and two micro-batches, set by
 the upstream alias ``num_afd_stages`` (asked one request at a time, the busy DP rank runs
-each step whole and every rank adds a shadow micro-batch, so both send two per layer; the
-idle rank's dummy steps carry no token and send empty messages, so the FFN computes the
-busy rank's tokens alone, the rows native vLLM computes for that request),
-eager (``enforce_eager = true``; ``afd launch`` compiles by default, and the compiled
-cases are tests/e2e/test_compiled_parity.py, ``nox -s tests-compiled``); greedy tokens
+each step whole and every rank adds a shadow micro-batch, so both send two per layer:
+each rank's ``afd_attention_exchanges_total`` of micro-batch 0 and of micro-batch 1 both
+equal its ``afd_attention_steps_total`` x layers; the idle rank's dummy steps carry no
+token and send empty messages, so the FFN computes the busy rank's tokens alone, the rows
+native vLLM computes for that request),
+eager (``enforce_eager = true``; ``afd launch`` compiles by default, and the same case
+compiled, float32, is tests/e2e/test_compiled_parity.py's ``deepseek_v3-gate_attention-2A1F-m2``
+in CI's matrix); greedy tokens
 equal native vLLM asked the same way (the matrix runs the same case through ``afd
 serve`` directly: tests/e2e/test_deepseek_served.py).
 """
@@ -32,7 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from afd_processes import Launcher, assert_role_inventories, assert_same_tokens, group_pgid_members
+from afd_processes import (
+    Launcher,
+    assert_role_inventories,
+    assert_same_tokens,
+    group_pgid_members,
+    settled_metric_samples,
+)
 
 from afd.tools.client import completion_response
 from afd.tools.reference import FIXED_PROMPTS
@@ -144,6 +153,25 @@ def test_2a1f_serves_and_stops_on_sigterm(
             assert attn[("afd_attention_sent_bytes_total", rank)] > 0
         assert ffn[("afd_ffn_layers_served_total", rank0)] > 0
         assert ffn[("afd_ffn_tokens_served_total", rank0)] >= 3 * 8  # 3 completions x 8
+        # Ping-pong micro-batching, counted: every forward step of each attention rank
+        # (served, an idle rank's dummy steps, profile and warm-up runs) ran both
+        # micro-batches, real or shadow, through every layer (the dense ones through the
+        # dense stand-in), eager (no exchange went through the compiled op).
+        config = json.loads((model / "config.json").read_text())
+        layers = int(config["num_hidden_layers"])
+        attn = settled_metric_samples(f"{urls[0]}/metrics")
+        for rank in (rank0, rank1):
+            steps = attn[("afd_attention_steps_total", rank)]
+            per_micro_batch = {
+                dict(labels)["micro_batch"]: value
+                for (name, labels), value in attn.items()
+                if name == "afd_attention_exchanges_total" and ("rank", rank[0][1]) in labels
+            }
+            assert steps > len(PROMPTS) * 32, (rank, steps)
+            assert per_micro_batch == {"0": steps * layers, "1": steps * layers}, (
+                rank, steps, layers, per_micro_batch,
+            )  # fmt: skip
+            assert attn[("afd_attention_compiled_exchanges_total", rank)] == 0
 
         t0 = time.monotonic()
         launcher.proc.send_signal(signal.SIGTERM)
@@ -156,10 +184,8 @@ def test_2a1f_serves_and_stops_on_sigterm(
         attention_log = "\n".join(ln for ln in out if ln.startswith("[attn]"))
         ffn_log = "\n".join(ln for ln in out if ln.startswith("[ffn0]"))
         assert_role_inventories(attention_log, ffn_log, gate_on_attention=True)
-        assert "ping-pong micro-batching with 2 micro-batches" in attention_log
         # The FFN warmed up every layer with the payload kind it then received (dense
         # layers hidden states, MoE layers top-k) before it waited for its peers.
-        config = json.loads((model / "config.json").read_text())
         dense = int(config.get("first_k_dense_replace", 0))
         moe = int(config["num_hidden_layers"]) - dense
         warmed = (

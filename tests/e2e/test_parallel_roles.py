@@ -22,8 +22,10 @@ tests-extended``, by hand: run them when the parallel code changes). The default
 the TP and EP exchanges' unit tests (packages/afd-moe-runners/tests/test_tensor_parallel.py,
 test_expert_parallel.py, test_expert_shard.py). The deployments run eager
 (``enforce_eager = true``) against eager native references, except the ``-compiled``
-cases: deployment and native reference in vLLM's default compile mode, every TP worker
-proving it ran the compiled graph (the exchange op's first-call log line). Attention TP2
+cases: deployment and native reference in vLLM's default compile mode, every step of
+every attention rank proving it ran each layer's exchange through the compiled op
+(``afd_attention_compiled_exchanges_total`` == ``afd_attention_steps_total`` x layers),
+and every TP worker logging the op's first call. Attention TP2
 + FFN EP2 compiled (gate on Attention) and DeepSeek-V3 EP2 compiled (gate on FFN; its
 eager twin is ``extended``) run in CI (``matrix``, ~3 min each). Compiled, native vLLM's
 routing cannot be recorded, so the dispatch proof is the eager cases'.
@@ -219,7 +221,20 @@ def test_parallel_layout_served_tokens_equal_native(
         if compiled:
             from afd_moe_runners.exchange_op import COMPILED_LOG
 
-            # Every TP worker of every attention rank ran the compiled graph.
+            # Every step of every attention rank ran each layer's exchange through the
+            # compiled op (afd_attention_compiled_exchanges_total, counted by TP worker
+            # 0 as the other exchange metrics; one micro-batch per step), every layer
+            # exchanging (the dense ones through the dense stand-in).
+            layers = int(json.loads((model / "config.json").read_text())["num_hidden_layers"])
+            counted = settled_metric_samples(f"{url}/metrics")
+            for a in range(dp):
+                rank = (("rank", str(a)),)
+                steps = counted[("afd_attention_steps_total", rank)]
+                assert steps >= len(PROMPTS) * MAX_TOKENS, (a, steps)
+                compiled_exchanges = counted[("afd_attention_compiled_exchanges_total", rank)]
+                assert compiled_exchanges == steps * layers, (a, steps, layers, compiled_exchanges)
+            # The TP workers past 0 (not counted in the metrics) ran the compiled graph
+            # too: each logs the op's first call.
             log = (tmp_path / "logs" / "attn.log").read_text()
             assert log.count(COMPILED_LOG) == dp * tp, log[-3000:]
         attn = metric_samples(f"{url}/metrics")

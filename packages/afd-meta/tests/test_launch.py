@@ -504,19 +504,39 @@ def test_compare_tokens() -> None:
 
 
 def test_the_demo_fails_a_compiled_deployment_that_ran_eager(tmp_path: Path) -> None:
-    """`afd demo` (install-smoke runs it in CI) asks for vLLM's compile mode: an Attention
-    log without the exchange op's first-call line is a failure, not a pass."""
-    from afd.tools.demo import compiled_problem
-    from afd_moe_runners.exchange_op import COMPILED_LOG
+    """`afd demo` (install-smoke runs it in CI) asks for vLLM's compile mode: it passes
+    only when every step of every attention rank ran each layer's exchange through the
+    compiled op (the Attention role's metrics); no metrics at all is a failure too."""
+    from afd.tools.demo import compiled_problem, compiled_summary, exchanging_layers
+
+    def samples(steps: float, compiled: float, rank: str = "0") -> dict:
+        labels = (("rank", rank),)
+        return {
+            ("afd_attention_steps_total", labels): steps,
+            ("afd_attention_compiled_exchanges_total", labels): compiled,
+        }
 
     compiled = DeploymentSpec(model="/m")
-    (tmp_path / "attn.log").write_text("INFO ... CompilationMode.NONE ...\n")
-    problem = compiled_problem(compiled, tmp_path)
-    assert problem is not None and "ran eager" in problem and "attn.log" in problem
-    assert "VLLM_USE_BREAKABLE_CUDAGRAPH" in problem
-    assert compiled_problem(compiled.replace(enforce_eager=True), tmp_path) is None
-    (tmp_path / "attn.log").write_text(f"INFO afd ... {COMPILED_LOG}\n")
-    assert compiled_problem(compiled, tmp_path) is None
+    eager = compiled_problem(compiled, samples(40, 0), 3)
+    assert eager is not None and "ran eager" in eager and "rank 0: 0 exchanges" in eager
+    assert "expected 40 steps x 3 layers = 120" in eager
+    assert "VLLM_USE_BREAKABLE_CUDAGRAPH" in eager
+    # Some steps eager (e.g. one rank's): still a failure.
+    partly = {**samples(40, 120), **samples(40, 117, rank="1")}
+    problem = compiled_problem(compiled, partly, 3)
+    assert problem is not None and "rank 1: 117" in problem and "rank 0" not in problem
+    missing = compiled_problem(compiled, {}, 3)  # no metrics: nothing proves it
+    assert missing is not None and "no afd_attention_steps_total" in missing
+    assert compiled_problem(compiled, samples(0, 0), 3) is not None  # no step at all
+    assert compiled_problem(compiled.replace(enforce_eager=True), {}, 3) is None
+    assert compiled_problem(compiled, samples(40, 120), 3) is None
+    assert compiled_summary(samples(40, 120), 3) == (
+        "rank 0: 120 exchanges through the op = 40 steps x 3 layers"
+    )
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 5}')
+    assert exchanging_layers(tmp_path) == 5
+    (tmp_path / "config.json").write_text('{"text_config": {"num_hidden_layers": 7}}')
+    assert exchanging_layers(tmp_path) == 7
 
 
 def test_percentile_and_table() -> None:

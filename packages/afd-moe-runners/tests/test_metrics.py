@@ -155,3 +155,90 @@ def test_families_are_registered_once_per_registry() -> None:
     first.layers.inc()
     second.layers.inc(2)
     assert registry.get_sample_value("afd_ffn_layers_served_total", {"rank": "1"}) == 2
+
+
+def _mb_sample(registry: Any, micro_batch: int) -> float | None:
+    value = registry.get_sample_value(
+        "afd_attention_exchanges_total", {"rank": "0", "micro_batch": str(micro_batch)}
+    )
+    return None if value is None else float(value)
+
+
+def test_steps_and_exchanges_per_micro_batch_are_written_at_the_step_end(
+    moe_env: Any, attention_registry: Any
+) -> None:
+    """Each exchange counts for the micro-batch of its step metadata; the step counter
+    and the exchange counters move together when the step ends."""
+    import torch
+
+    from afd_moe_runners import FFNLayerCompute, RemoteDenseMLP
+
+    reg = attention_registry
+    compute = FFNLayerCompute({0: torch.nn.Identity()}, vllm_config=moe_env.vllm_config)
+    x = torch.randn(4, 64)
+    assert _sample(reg, "afd_attention_steps_total") == 0
+    for mb in (0, 1, 1):
+        moe_env.split_forward(
+            RemoteDenseMLP(0), compute, x, micro_batch_idx=mb, num_micro_batches=2
+        )
+    assert (_mb_sample(reg, 0), _mb_sample(reg, 1)) == (None, None)  # not before the end
+    afd_metrics.attention_step_ended(0)
+    assert _sample(reg, "afd_attention_steps_total") == 1
+    assert (_mb_sample(reg, 0), _mb_sample(reg, 1)) == (1, 2)
+    afd_metrics.attention_step_ended(0)  # a step without AFD layers is still a step
+    assert _sample(reg, "afd_attention_steps_total") == 2
+    assert (_mb_sample(reg, 0), _mb_sample(reg, 1)) == (1, 2)
+    # Eager exchanges never reach the compiled op.
+    assert _sample(reg, "afd_attention_compiled_exchanges_total") == 0
+
+
+def test_exchanges_outside_a_forward_count_as_micro_batch_0(attention_registry: Any) -> None:
+    import torch
+
+    from afd_core.transfer import FFNToAttention
+
+    metrics = afd_metrics.attention_metrics(0)
+    assert metrics is not None
+    metrics.received(FFNToAttention(torch.zeros(2, 4)), started_ns=1, wait_ns=1, end_ns=2)
+    metrics.end_step()
+    assert _mb_sample(attention_registry, 0) == 1
+
+
+def test_compiled_exchanges_are_the_op_calls_of_each_step(
+    monkeypatch: pytest.MonkeyPatch, attention_registry: Any
+) -> None:
+    """The compiled-exchange counter adds, at each step's end, the op calls since the
+    previous step's end (the op counts its calls in the process)."""
+    from afd_moe_runners import exchange_op
+
+    metrics = afd_metrics.attention_metrics(0)
+    assert metrics is not None
+    monkeypatch.setattr(exchange_op, "_CALLS", [exchange_op.compiled_calls()])
+    metrics._op_calls_seen = exchange_op.compiled_calls()
+    for calls in (3, 0, 5):
+        exchange_op._CALLS[0] += calls
+        metrics.end_step()
+    assert _sample(attention_registry, "afd_attention_compiled_exchanges_total") == 8
+    assert _sample(attention_registry, "afd_attention_steps_total") == 3
+
+
+def test_the_compiled_op_counts_one_call_per_exchange(moe_env: Any) -> None:
+    """What the compiled counter reads: the op's process-wide call count grows by one per
+    exchange it runs (a compiled graph calls it once per AFD layer)."""
+    import torch
+
+    from afd_moe_runners import exchange_op
+
+    class Layer(torch.nn.Module):
+        def afd_exchange(self, hidden: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+            return hidden * 2
+
+    layer = Layer()
+    exchange_op.register_layer("test_metrics.layer", layer)
+    before = exchange_op.compiled_calls()
+    x = torch.ones(3, 4)
+    out = torch.empty_like(x)
+    for _ in range(2):
+        torch.ops.afd.exchange(x, None, out, "test_metrics.layer")
+    assert exchange_op.compiled_calls() == before + 2
+    assert torch.equal(out, x * 2)

@@ -22,7 +22,17 @@ attention role
     (histogram, one observation per forward step with AFD layers: the time spent in
     ``recv_from_ffn``, summed over its layers and micro-batches),
     ``afd_attention_peers_connected`` (gauge: FFN peers of this rank's connector, 0 once
-    closed);
+    closed), ``afd_attention_steps_total`` (forward steps of the AFD model: every step
+    vLLM runs once the connector is up, its start-up dummy runs and an idle
+    data-parallel rank's dummy steps included), ``afd_attention_exchanges_total``
+    (label ``micro_batch`` too: layer exchanges of each micro-batch index, shadow
+    micro-batches included), ``afd_attention_compiled_exchanges_total`` (exchanges a
+    compiled graph ran through the ``afd::exchange`` op; shadow micro-batches never
+    do). The three counters are written at the end of each step (one after another),
+    so once a step has ended a scrape sees, per rank: with m micro-batches and several
+    attention ranks, every micro-batch index counts steps x AFD layers (every step runs
+    m micro-batches, real or shadow); compiled, with one micro-batch, the compiled
+    exchanges count as many.
 FFN role
     ``afd_ffn_layers_served_total``, ``afd_ffn_tokens_served_total``,
     ``afd_ffn_compute_seconds`` (histogram, one observation per layer message: the FFN
@@ -30,7 +40,10 @@ FFN role
     (payload bytes), ``afd_ffn_peers_connected`` (gauge: attention peers of this rank,
     0 before they connected and once they are gone).
 
-Nothing here imports torch; prometheus_client is imported when a metrics object is made.
+Nothing here imports torch at import time; prometheus_client is imported when a metrics
+object is made, and the Attention role's also reads the exchange op's call count
+(:func:`afd_moe_runners.exchange_op.compiled_calls`: one attention rank per process, as
+vLLM runs them) and vLLM's forward context (the current micro-batch).
 """
 
 from __future__ import annotations
@@ -152,6 +165,26 @@ def _attention_families(reg: Any) -> dict[str, Any]:
             multiprocess_mode="livesum",
             registry=reg,
         ),
+        "steps": Counter(
+            "afd_attention_steps",
+            "Forward steps the AFD model of this Attention rank ran (profile, warm-up and "
+            "dummy steps included)",
+            ["rank"],
+            registry=reg,
+        ),
+        "exchanges": Counter(
+            "afd_attention_exchanges",
+            "Layer exchanges with the FFN role (send and receive) per micro-batch index, "
+            "shadow micro-batches included",
+            ["rank", "micro_batch"],
+            registry=reg,
+        ),
+        "compiled": Counter(
+            "afd_attention_compiled_exchanges",
+            "Layer exchanges a compiled graph ran through the afd::exchange custom op",
+            ["rank"],
+            registry=reg,
+        ),
     }
 
 
@@ -209,6 +242,8 @@ class AttentionMetrics:
     """
 
     def __init__(self, rank: int, *, registry: Any = None) -> None:
+        from afd_moe_runners.exchange_op import compiled_calls
+
         labels = {"rank": str(rank)}
         families = _families(registry, "attention", _attention_families)
         self.latency = families["latency"].labels(**labels)
@@ -216,6 +251,14 @@ class AttentionMetrics:
         self.received_bytes = families["received_bytes"].labels(**labels)
         self.step_wait = families["step_wait"].labels(**labels)
         self.peers = families["peers"].labels(**labels)
+        self.steps = families["steps"].labels(**labels)
+        self.compiled = families["compiled"].labels(**labels)
+        self._exchanges_family = families["exchanges"]
+        self._rank_label = str(rank)
+        self._exchanges: list[Any] = []  # micro-batch index -> its labelled counter
+        self._micro_batch = _current_micro_batch_reader()
+        self._op_calls = compiled_calls
+        self._op_calls_seen = 0
         # Per-step sums, written to the (lock-protected, memory-mapped) metrics once per
         # step: a multiprocess counter increment costs ~1 us, a layer exchange tens.
         self._step_lock = threading.Lock()
@@ -223,6 +266,17 @@ class AttentionMetrics:
         self._step_exchanges = 0
         self._step_sent = 0
         self._step_received = 0
+        self._step_per_micro_batch = [0, 0]  # grown when a step has more micro-batches
+
+    def exchanges(self, micro_batch: int) -> Any:
+        """``afd_attention_exchanges_total`` of this rank and ``micro_batch``."""
+        while len(self._exchanges) <= micro_batch:
+            self._exchanges.append(
+                self._exchanges_family.labels(
+                    rank=self._rank_label, micro_batch=str(len(self._exchanges))
+                )
+            )
+        return self._exchanges[micro_batch]
 
     def sent(self, payload: Any) -> None:
         size = payload_bytes(payload)
@@ -234,19 +288,35 @@ class AttentionMetrics:
         waited ``wait_ns`` in the receive."""
         self.latency.observe((end_ns - started_ns) / 1e9)
         size = result_bytes(result)
+        micro_batch = self._micro_batch()
         with self._step_lock:
             self._step_wait_ns += wait_ns
             self._step_exchanges += 1
             self._step_received += size
+            per = self._step_per_micro_batch
+            if micro_batch >= len(per):
+                per.extend([0] * (micro_batch + 1 - len(per)))
+            per[micro_batch] += 1
 
     def end_step(self) -> None:
-        """A forward step ended: add its bytes to the counters and observe its FFN wait
-        (a step without AFD layers is not observed)."""
+        """A forward step ended: count it, add its exchanges (per micro-batch, and those
+        the compiled op ran) and bytes to the counters and observe its FFN wait (a step
+        without AFD layers is not observed)."""
         with self._step_lock:
             exchanges, wait_ns = self._step_exchanges, self._step_wait_ns
             sent, received = self._step_sent, self._step_received
             self._step_exchanges = self._step_wait_ns = self._step_sent = 0
             self._step_received = 0
+            per = self._step_per_micro_batch
+            self._step_per_micro_batch = [0] * len(per)
+            op_calls = self._op_calls()
+            compiled, self._op_calls_seen = op_calls - self._op_calls_seen, op_calls
+        self.steps.inc()
+        for micro_batch, n in enumerate(per):
+            if n:
+                self.exchanges(micro_batch).inc(n)
+        if compiled:
+            self.compiled.inc(compiled)
         if sent:
             self.sent_bytes.inc(sent)
         if received:
@@ -276,6 +346,28 @@ class FFNMetrics:
         self.compute.observe(compute_ns / 1e9)
         self.received_bytes.inc(payload_bytes(batch.payload))
         self.sent_bytes.inc(result_bytes(result))
+
+
+def _current_micro_batch_reader() -> Any:
+    """A function returning the micro-batch index of the current AFD step (vLLM's current
+    forward context's step metadata; 0 outside a forward pass or without vLLM). Bound
+    once: per exchange it costs two global reads and a dict lookup."""
+    try:
+        from vllm import forward_context as fc
+    except ImportError:  # pragma: no cover - vLLM is there wherever layers exchange
+        return lambda: 0
+    from afd_core.forward_context import AFD_CONTEXT_KEY
+
+    available, current = fc.is_forward_context_available, fc.get_forward_context
+
+    def micro_batch() -> int:
+        if not available():
+            return 0
+        meta = current().additional_kwargs.get(AFD_CONTEXT_KEY)
+        index: int = 0 if meta is None else meta.micro_batch_idx
+        return index
+
+    return micro_batch
 
 
 def attention_metrics(rank: int) -> AttentionMetrics | None:

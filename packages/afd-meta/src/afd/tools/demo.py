@@ -9,13 +9,20 @@ native vLLM token by token (both in vLLM's default compile mode, float32 by defa
 3. a native vLLM API server starts with the same engine arguments and gets the same
    requests (same serving path, same batches: the tokens must match exactly);
 4. the token ids are compared per prompt: PASS (exit 0) or FAIL (exit 1).
+
+Compiled (the default), the AFD deployment must also have run its Attention role's
+compiled graph in every step: before it stops, its ``/metrics`` must show, per
+attention rank, as many exchanges through the ``afd::exchange`` op as steps x layers
+(:func:`compiled_problem`); else FAIL.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,9 +39,13 @@ from afd.launch import (
 from afd.tools.client import complete_each
 
 __all__ = [
+    "attention_samples",
     "cache_dir",
     "compare_tokens",
+    "compiled_problem",
+    "compiled_summary",
     "ensure_tiny_model",
+    "exchanging_layers",
     "run_demo",
 ]
 
@@ -162,12 +173,18 @@ def run_demo(args: Any) -> int:
                 t0 = time.monotonic()
                 afd_ids, afd_texts = complete_each(afd.url, prompts, args.max_tokens)
                 phase("afd generate", t0)
-                eager_problem = compiled_problem(spec, afd.log_dir)
-                if eager_problem:
-                    say(f"FAIL: {eager_problem}")
-                    code = 1
-                elif not spec.enforce_eager:
-                    say("the Attention role ran vLLM's compiled model (the exchange as its op)")
+                if not spec.enforce_eager:
+                    layers = exchanging_layers(model)
+                    samples = attention_samples(afd.url)
+                    eager_problem = compiled_problem(spec, samples, layers)
+                    if eager_problem:
+                        say(f"FAIL: {eager_problem}")
+                        code = 1
+                    else:
+                        say(
+                            "the Attention role ran vLLM's compiled model in every step: "
+                            f"{compiled_summary(samples, layers)}"
+                        )
                 t0 = time.monotonic()
             phase("afd stop", t0)
             say(
@@ -178,7 +195,7 @@ def run_demo(args: Any) -> int:
                 print(f"  {_short(p, 40)!r:44} -> {_short(text)!r}")
             if args.skip_native:
                 say("--skip-native: no parity check")
-                return 0
+                return code
 
             # ---- native vLLM, same engine args, same requests
             say("starting native vLLM (same engine args) for the reference")
@@ -226,25 +243,100 @@ def run_demo(args: Any) -> int:
     return code
 
 
-def compiled_problem(spec: DeploymentSpec, log_dir: Path | None) -> str | None:
-    """Why a deployment that asked for vLLM's compile mode did not run its Attention role
-    compiled (its log lacks the exchange op's first-call line), or None (it did, it ran
-    eager as asked, or there is no log to read). A compiled deployment must not fall
-    back to eager silently: e.g. ``VLLM_USE_BREAKABLE_CUDAGRAPH=1`` or
-    ``TORCH_COMPILE_DISABLE=1`` in the environment turn vLLM's compile mode off."""
-    from afd_moe_runners.exchange_op import COMPILED_LOG
+#: Attention-role metrics (afd_moe_runners.metrics) the compiled check reads.
+STEPS_METRIC = "afd_attention_steps_total"
+COMPILED_METRIC = "afd_attention_compiled_exchanges_total"
 
-    if spec.enforce_eager or log_dir is None:
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def exchanging_layers(model: str | os.PathLike[str]) -> int:
+    """Decoder layers of the checkpoint ``model`` (its ``config.json``, the text model's
+    of a multimodal one): every one exchanges with the FFN role, the dense ones through
+    the dense stand-in."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    text = config.get("text_config") or config
+    return int(text["num_hidden_layers"])
+
+
+def attention_samples(url: str, *, quiet_s: float = 0.3, timeout_s: float = 15.0) -> Samples:
+    """``GET url/metrics`` (the Attention role's API server) parsed, once two scrapes
+    ``quiet_s`` apart agree (a step's counters are written one after another at its end);
+    empty when nothing answers."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> Samples:
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+                body = r.read().decode()
+        except OSError:
+            return {}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): float(s.value)
+            for family in text_string_to_metric_families(body)
+            for s in family.samples
+        }
+
+    deadline = time.monotonic() + timeout_s
+    last = scrape()
+    while True:
+        time.sleep(quiet_s)
+        now = scrape()
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+
+
+def _per_rank(samples: Samples, name: str) -> dict[str, float]:
+    return {
+        dict(labels).get("rank", ""): value for (n, labels), value in samples.items() if n == name
+    }
+
+
+def compiled_summary(samples: Samples, layers: int) -> str:
+    """Per attention rank: compiled exchanges of steps x layers."""
+    compiled = _per_rank(samples, COMPILED_METRIC)
+    return ", ".join(
+        f"rank {rank}: {compiled.get(rank, 0.0):.0f} exchanges through the op "
+        f"= {steps:.0f} steps x {layers} layers"
+        for rank, steps in sorted(_per_rank(samples, STEPS_METRIC).items())
+    )
+
+
+def compiled_problem(spec: DeploymentSpec, samples: Samples, layers: int) -> str | None:
+    """Why a deployment that asked for vLLM's compile mode did not run its Attention role
+    compiled in every step, or None (it did, or it ran eager as asked).
+
+    ``samples``: the Attention role's ``/metrics`` (:func:`attention_samples`) while the
+    deployment is up; ``layers``: its exchanging layers (:func:`exchanging_layers`). Every
+    attention rank must have run steps, and every layer of each of its steps must have
+    gone through the ``afd::exchange`` op (``afd_attention_compiled_exchanges_total`` ==
+    ``afd_attention_steps_total`` x layers; one micro-batch per step, as the demo runs).
+    No such metric is a failure too: nothing proves the role ran compiled. A compiled
+    deployment must not fall back to eager silently: e.g.
+    ``VLLM_USE_BREAKABLE_CUDAGRAPH=1`` or ``TORCH_COMPILE_DISABLE=1`` in the environment
+    turn vLLM's compile mode off."""
+    if spec.enforce_eager:
         return None
-    logs = sorted(log_dir.glob("attn*.log"))
-    if not logs:
-        return None
-    text = "\n".join(p.read_text(errors="replace") for p in logs)
-    if COMPILED_LOG in text:
+    asked = "AFD was asked for vLLM's compile mode, but"
+    steps = _per_rank(samples, STEPS_METRIC)
+    if not steps:
+        return (
+            f"{asked} its Attention role's /metrics has no {STEPS_METRIC} (metrics off or "
+            "unreachable?): nothing proves it ran the compiled graph"
+        )
+    compiled = _per_rank(samples, COMPILED_METRIC)
+    bad = [
+        f"rank {rank}: {compiled.get(rank, 0.0):.0f} exchanges through the op, expected "
+        f"{n:.0f} steps x {layers} layers = {n * layers:.0f}"
+        for rank, n in sorted(steps.items())
+        if n <= 0 or compiled.get(rank, 0.0) != n * layers
+    ]
+    if not bad:
         return None
     return (
-        "AFD was asked for vLLM's compile mode, but its Attention role ran eager (no "
-        f"{COMPILED_LOG!r} line in {', '.join(p.name for p in logs)}): check "
+        f"{asked} its Attention role ran eager in some or all steps ({'; '.join(bad)}; "
+        f"{COMPILED_METRIC} and {STEPS_METRIC} of its /metrics): check "
         "VLLM_USE_BREAKABLE_CUDAGRAPH and TORCH_COMPILE_DISABLE in the environment"
     )
 
