@@ -7,9 +7,12 @@ greedy tokens of 10 prompts x 16 equal to native vLLM asked the same way):
 * FFN EP2 (``ffn_expert_parallel = true``: each FFN rank holds half the routed experts,
   afd_moe_runners.expert_parallel) with Attention TP1, TP2 and 2 DP ranks; reference
   native at the attention TP size; each FFN rank's log says it allocated only its share
-  (read from its expert tensors). Dispatch proof (gate on Attention, one attention rank):
-  each FFN rank's ``afd_ffn_tokens_served_total`` over the requests equals the count
-  from native vLLM's own routing of the same tokens (``afd.reference --record-routing``).
+  (read from its expert tensors). Dispatch proof, row by row: the attention ranks record
+  every send (``AFD_RECORD_DISPATCH``: the gate's top-k of each row, the rows each FFN
+  rank got); each FFN rank got exactly the rows routed to its shard (every row with the
+  gate on FFN) and served (``afd_ffn_tokens_served_total``) as many; eager, gate on
+  Attention, one attention rank: the recorded top-k is native vLLM's own routing of the
+  same tokens row for row (``afd.reference --record-routing``), and the counts equal it.
 * DeepSeek-V3-style (grouped top-k, shared expert, dense first layer) TP1 + EP2.
 
 Both gate placements where listed. Where they run (CI's budget: a parallel layout is
@@ -91,6 +94,45 @@ def _moe_shape(model: Path) -> tuple[int, int]:
     experts = next(config[n] for n in names if config.get(n))
     dense = config.get("first_k_dense_replace", 0) + len(config.get("mlp_only_layers", []))
     return config["num_hidden_layers"] - dense, experts
+
+
+def _dispatch_records(folder: Path) -> dict[Path, list[dict[str, Any]]]:
+    """What each attention rank's exchange recorded (``AFD_RECORD_DISPATCH``,
+    afd_moe_runners.expert_parallel.DispatchRecorder): file -> one record per send."""
+    return {
+        path: [json.loads(line) for line in path.read_text().splitlines()]
+        for path in sorted(folder.glob("attention*.jsonl"))
+    }
+
+
+def _dispatch_problems(
+    records: list[dict[str, Any]], experts: int, ep: int, shared: bool, gate_on_ffn: bool
+) -> list[str]:
+    """Where a recorded send did not give FFN rank f exactly the rows the gate's top-k ids
+    route to its shard (computed here with sets): a top-k row goes to f when one of its
+    experts is in ``expert_shard(experts, ep, f)`` (FFN rank 0: every row with shared
+    experts); a layer without top-k (dense) goes to FFN rank 0 alone; with the gate on
+    FFN every row goes to every FFN rank (``null``)."""
+    from afd_core.topology import expert_shard
+
+    shards = [set(expert_shard(experts, ep, f)) for f in range(ep)]
+    problems = []
+    for n, rec in enumerate(records):
+        rows = list(range(rec["rows"]))
+        if gate_on_ffn:
+            want: list[list[int] | None] = [None] * ep
+        elif rec["topk"] is None:
+            want = [None, *([[]] * (ep - 1))]
+        else:
+            assert len(rec["topk"]) == rec["rows"]
+            want = [
+                rows if f == 0 and shared
+                else [t for t, ids in enumerate(rec["topk"]) if shards[f] & set(ids)]
+                for f in range(ep)
+            ]  # fmt: skip
+        if rec["planes"] != want:
+            problems.append(f"send {n} (layer {rec['layer']}): sent {rec['planes']}, routed {want}")
+    return problems
 
 
 def _tokens_served(url: str, rank: int) -> int:
@@ -200,7 +242,11 @@ def test_parallel_layout_served_tokens_equal_native(
         f"compute_gate_on_attention = {'true' if gate != 'ffn' else 'false'}\n"
         "[afd]\nconnect_timeout_s = 600\ntransfer_timeout_s = 120\n"
     )
-    launcher = Launcher(spec, tmp_path)
+    # Under expert parallelism each attention rank's exchange records its dispatch: per
+    # send, the gate's top-k ids of every row and the rows each FFN rank got.
+    recorded = tmp_path / "dispatch"
+    env = {"AFD_RECORD_DISPATCH": str(recorded)} if ep > 1 else {}
+    launcher = Launcher(spec, tmp_path, env=env)
     try:
         ready = launcher.wait_for(r"running; Ctrl-C or SIGTERM", STARTUP_S)
         assert ready, f"deployment did not come up:\n{launcher.output[-6000:]}"
@@ -215,6 +261,7 @@ def test_parallel_layout_served_tokens_equal_native(
         )
         assert sorted(ffn_urls) == [f"ffn{f}" for f in range(ep)], launcher.output[-3000:]
         before = [_tokens_served(ffn_urls[f"ffn{f}"], f) for f in range(ep)]
+        records_before = {p: len(r) for p, r in _dispatch_records(recorded).items()}
         got = [_complete(url, p) for p in PROMPTS]
         what = f"native vLLM TP={tp}{' compiled' if compiled else ''}, one request at a time"
         assert_same_tokens(got, native, PROMPTS, what, max_tokens=MAX_TOKENS)
@@ -258,7 +305,46 @@ def test_parallel_layout_served_tokens_equal_native(
 
             layers, experts = _moe_shape(model)
             out = launcher.output
+            # Row by row: the sends of the served requests (after start-up's), each FFN
+            # rank's rows exactly those routed to its shard by the recorded top-k, and
+            # each FFN rank served (its own metric) the rows it was sent.
+            files = {
+                path: recs[records_before.get(path, 0) :]
+                for path, recs in _dispatch_records(recorded).items()
+            }
+            sends = [r for recs in files.values() for r in recs]
+            assert sends, f"nothing recorded in {recorded}: {sorted(files)}"
+            config = json.loads((model / "config.json").read_text())
+            shared = bool(
+                config.get("n_shared_experts") or config.get("shared_expert_intermediate_size")
+            )
+            problems = _dispatch_problems(sends, experts, ep, shared, gate == "ffn")
+            assert not problems, "\n".join(problems[:10])
+            served_now = [_tokens_served(ffn_urls[f"ffn{f}"], f) - before[f] for f in range(ep)]
+            sent = [
+                sum(r["rows"] if r["planes"][f] is None else len(r["planes"][f]) for r in sends)
+                for f in range(ep)
+            ]
+            assert served_now == sent, (served_now, sent)
+            if gate != "ffn":
+                assert min(sent) < sum(r["rows"] for r in sends), sent  # a real split
             if dispatch_proof:
+                # The recorded top-k is native vLLM's routing of the same tokens, row by
+                # row per MoE layer (one attention rank, requests one at a time).
+                assert len([recs for recs in files.values() if recs]) == 1, sorted(files)
+                afd_rows: dict[int, list[list[int]]] = {}
+                for r in sends:
+                    if r["topk"] is not None:
+                        afd_rows.setdefault(r["layer"], []).extend(sorted(i) for i in r["topk"])
+                native_rows: dict[int, list[list[int]]] = {}
+                for group in routing:
+                    for layer, rows in group.items():
+                        native_rows.setdefault(int(layer), []).extend(sorted(i) for i in rows)
+                assert sorted(afd_rows) == sorted(native_rows), (
+                    sorted(afd_rows), sorted(native_rows)
+                )  # fmt: skip
+                for layer, rows in native_rows.items():
+                    assert afd_rows[layer] == rows, f"layer {layer}: the gate routed otherwise"
                 # Each FFN rank received exactly the tokens routed to its experts (FFN
                 # rank 0 every token, where the model has shared experts or dense layers).
                 expected = _dispatched(model, routing, ep)

@@ -22,6 +22,48 @@ BUILD = textwrap.dedent(
         from afd_core.testing.loopback import register_loopback
         register_loopback()
     extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    report_experts = len(sys.argv) > 5 and json.loads(sys.argv[5]).get("experts", False)
+
+    def expert_tensors(wrapper):
+        # Per MoE layer of the built model (run on the worker): the expert shard its
+        # routed experts were built for, and per tensor of them its shape, dtype, sha256
+        # and, where dim 0 is the held experts, one sha256 per expert: of the bytes as
+        # the kernel holds them and of the expert's sorted values (which packing into a
+        # kernel layout does not change).
+        import hashlib
+        import torch
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+        def digest(t):
+            return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+        worker = getattr(wrapper, "worker", wrapper)
+        out = {}
+        for name, module in worker.model_runner.get_model().named_modules():
+            if not isinstance(module, RoutedExperts):
+                continue
+            shard = getattr(module, "afd_shard", range(module.global_num_experts))
+            tensors = {}
+            for pname, p in module.named_parameters(recurse=False):
+                t = p.detach()
+                entry = {
+                    "shape": list(t.shape),
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "digest": digest(t),
+                }
+                if t.dim() and t.shape[0] == module.local_num_experts:
+                    entry["bytes"] = [digest(t[e]) for e in range(t.shape[0])]
+                    entry["values"] = [
+                        digest(t[e].reshape(-1).float().sort().values)
+                        for e in range(t.shape[0])
+                    ]
+                tensors[pname] = entry
+            out[name] = {
+                "shard": [shard.start, shard.stop],
+                "experts": int(module.global_num_experts),
+                "tensors": tensors,
+            }
+        return out
     cfg = EngineArgs(
         model=model_dir, hf_overrides={"architectures": [arch]},
         additional_config={"afd": afd}, enforce_eager=True, dtype="bfloat16",
@@ -34,7 +76,10 @@ BUILD = textwrap.dedent(
         inventory = executor.collective_rpc("afd_inventory")[0]
         names = executor.collective_rpc("afd_parameter_names")[0]
         owners = executor.collective_rpc("afd_weight_owners")[0]
-        print("RESULT " + json.dumps({"inventory": inventory, "names": names, "owners": owners}))
+        result = {"inventory": inventory, "names": names, "owners": owners}
+        if report_experts:
+            result["experts"] = executor.collective_rpc(expert_tensors)[0]
+        print("RESULT " + json.dumps(result))
     finally:
         executor.shutdown()
     """
@@ -140,13 +185,17 @@ def run_role_model_build(
     afd: dict[str, object],
     tmp_path: Path,
     engine_kwargs: dict[str, object] | None = None,
+    *,
+    experts: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Build (and load) ``arch`` for the role in ``afd`` with vLLM's executor, in a new
     process of its own (forked from the session's build server, which imported vLLM
-    once); ``engine_kwargs`` are extra ``EngineArgs`` fields."""
+    once); ``engine_kwargs`` are extra ``EngineArgs`` fields. ``experts``: the result
+    also has ``experts``, what each MoE layer's routed experts hold (see ``BUILD``)."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     argv = [str(model_dir), arch, json.dumps(afd), json.dumps(engine_kwargs or {})]
+    argv.append(json.dumps({"experts": experts}))
     return _BuildServer.build(argv, tmp_path, env)
 
 
@@ -172,8 +221,17 @@ def run_probe(code: str, *argv: str, env: dict[str, str], timeout: float = 300) 
 
 
 def build_role_model(
-    model_dir: Path, arch: str, afd: dict[str, object], tmp_path: Path
+    model_dir: Path,
+    arch: str,
+    afd: dict[str, object],
+    tmp_path: Path,
+    engine_kwargs: dict[str, object] | None = None,
+    *,
+    experts: bool = False,
 ) -> dict[str, Any]:
     """The built model's parameter inventory, parameter names, and the checkpoint tensors
-    it loaded / left to the other role by owner (``owners``: ``kept`` / ``dropped``)."""
-    return probe_result(run_role_model_build(model_dir, arch, afd, tmp_path))
+    it loaded / left to the other role by owner (``owners``: ``kept`` / ``dropped``);
+    with ``experts``, also per MoE layer the expert shard and per-expert tensor digests
+    (``experts``)."""
+    proc = run_role_model_build(model_dir, arch, afd, tmp_path, engine_kwargs, experts=experts)
+    return probe_result(proc)

@@ -26,12 +26,18 @@ an FFN answer has the dtype of the hidden states sent), rounded once by its FFN 
 Each exchange with FFN rank f uses its own connector, the *expert plane* f
 (:meth:`afd_core.config.AFDConfig.expert_plane`: the attention ranks and FFN rank f on
 port ``port + f``), so the transports are the ordinary 1-FFN-rank connectors.
+
+Tests can record the dispatch (:data:`RECORD_DISPATCH_ENV`, :class:`DispatchRecorder`):
+off unless the environment names a folder when the exchange is built.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +51,8 @@ from afd_core.transfer import AttentionToFFN, FFNToAttention
 from afd_moe_runners.exchange import pop_sent
 
 __all__ = [
+    "RECORD_DISPATCH_ENV",
+    "DispatchRecorder",
     "ExpertParallelExchange",
     "shard_checkpoint",
     "has_shared_experts",
@@ -79,6 +87,53 @@ def shard_payload(payload: AttentionToFFN, rows: torch.Tensor, shard: range) -> 
         topk_ids=ids.contiguous(),
         topk_weights=torch.where(mine, weights, torch.zeros_like(weights)).contiguous(),
     )
+
+
+RECORD_DISPATCH_ENV = "AFD_RECORD_DISPATCH"
+
+
+class DispatchRecorder:
+    """Test-only record of an attention rank's dispatch under FFN expert parallelism: one
+    JSON line per ``send_to_ffn`` in ``<dir>/attention<rank>-<pid>.jsonl``, written and
+    flushed at once (a stopped role loses nothing)::
+
+        {"layer": 3, "mb": 0, "rows": 7, "topk": [[ids of row 0], ...] | null,
+         "planes": [[row indices sent to FFN rank 0] | null, ...]}
+
+    ``topk``: the top-k ids the Attention gate produced for every row (null without a
+    top-k payload); ``planes[f]``: the rows FFN rank f got (null: every row, unsplit).
+    Made by :class:`ExpertParallelExchange` when :data:`RECORD_DISPATCH_ENV`
+    (``AFD_RECORD_DISPATCH``) names a folder at its construction; otherwise absent, and
+    the exchange's only cost is one ``is None`` test per layer. On: two ``tolist()``
+    calls and one small file write per layer and micro-batch (test deployments only).
+    """
+
+    def __init__(self, out_dir: Path, rank: int) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / f"attention{rank}-{os.getpid()}.jsonl"
+
+    @classmethod
+    def from_env(cls, rank: int) -> DispatchRecorder | None:
+        out = os.environ.get(RECORD_DISPATCH_ENV, "")
+        return cls(Path(out), rank) if out else None
+
+    def record(
+        self,
+        layer: int,
+        micro_batch: int,
+        rows: int,
+        topk_ids: torch.Tensor | None,
+        planes: Sequence[torch.Tensor | None],
+    ) -> None:
+        line = {
+            "layer": layer,
+            "mb": micro_batch,
+            "rows": rows,
+            "topk": None if topk_ids is None else topk_ids.tolist(),
+            "planes": [None if p is None else p.tolist() for p in planes],
+        }
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(line, separators=(",", ":")) + "\n")
 
 
 def combine(
@@ -153,6 +208,7 @@ class ExpertParallelExchange(AFDConnector):
         self._sent: dict[tuple[int, int], tuple[int, torch.dtype, list[torch.Tensor | None]]] = {}
         #: Tokens sent to each FFN rank (the dispatch; read by tests and metrics).
         self.tokens_sent = [0] * len(planes)
+        self._recorder = DispatchRecorder.from_env(rank)
 
     @classmethod
     def validate_extra_config(cls, extra: Any) -> Any:
@@ -199,6 +255,9 @@ class ExpertParallelExchange(AFDConnector):
             self.tokens_sent[f] += rows if index is None else int(index.shape[0])
             plane.send_to_ffn(part, layer_idx=layer_idx, micro_batch_idx=micro_batch_idx)
         self._sent[(layer_idx, micro_batch_idx)] = (int(hidden.shape[0]), hidden.dtype, indices)
+        if self._recorder is not None:
+            ids = payload.topk_ids if isinstance(payload.topk_ids, torch.Tensor) else None
+            self._recorder.record(layer_idx, micro_batch_idx, rows, ids, indices)
 
     def recv_from_ffn(
         self, *, layer_idx: int, micro_batch_idx: int = 0, timeout_s: float | None = None
