@@ -40,6 +40,7 @@ from afd_processes import (
     assert_role_inventories,
     assert_same_tokens,
     group_pgid_members,
+    metric_samples,
     settled_metric_samples,
 )
 
@@ -75,16 +76,8 @@ def complete(
 
 
 def metric_values(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """``GET url/metrics`` parsed with prometheus_client's parser."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        body = r.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): float(s.value)
-        for family in text_string_to_metric_families(body)
-        for s in family.samples
-    }
+    """``GET url/metrics`` parsed: (sample name, sorted labels) -> value."""
+    return metric_samples(f"{url}/metrics")
 
 
 #: Asked one at a time (the reference: each prompt its own batch, as in

@@ -33,8 +33,12 @@ ATTENTION_SAMPLES = (
 )
 
 
-def _samples(url: str) -> dict[tuple[str, str], float]:
-    """(sample name, rank label) -> value of ``GET url/metrics``; empty if it fails."""
+#: ``(sample name, sorted label pairs) -> value`` of one ``/metrics`` page.
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def metric_samples(url: str) -> Samples:
+    """``GET url/metrics`` parsed with prometheus_client's parser; empty if it fails."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -43,9 +47,17 @@ def _samples(url: str) -> dict[tuple[str, str], float]:
     except OSError:
         return {}
     return {
-        (s.name, str(s.labels.get("rank", ""))): float(s.value)
+        (s.name, tuple(sorted(s.labels.items()))): float(s.value)
         for family in text_string_to_metric_families(body)
         for s in family.samples
+    }
+
+
+def _samples(url: str) -> dict[tuple[str, str], float]:
+    """(sample name, rank label) -> value of ``GET url/metrics``; empty if it fails."""
+    return {
+        (name, dict(labels).get("rank", "")): value
+        for (name, labels), value in metric_samples(url).items()
     }
 
 

@@ -22,7 +22,6 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from afd.launch import (
     add_cpu_arguments,
     forward_signals,
 )
+from afd.tools.bench_metrics import Samples
 from afd.tools.client import complete_each
 
 __all__ = [
@@ -247,8 +247,6 @@ def run_demo(args: Any) -> int:
 STEPS_METRIC = "afd_attention_steps_total"
 COMPILED_METRIC = "afd_attention_compiled_exchanges_total"
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
 
 def exchanging_layers(model: str | os.PathLike[str]) -> int:
     """Decoder layers of the checkpoint ``model`` (its ``config.json``, the text model's
@@ -263,25 +261,13 @@ def attention_samples(url: str, *, quiet_s: float = 0.3, timeout_s: float = 15.0
     """``GET url/metrics`` (the Attention role's API server) parsed, once two scrapes
     ``quiet_s`` apart agree (a step's counters are written one after another at its end);
     empty when nothing answers."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    def scrape() -> Samples:
-        try:
-            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-                body = r.read().decode()
-        except OSError:
-            return {}
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): float(s.value)
-            for family in text_string_to_metric_families(body)
-            for s in family.samples
-        }
+    from afd.tools.bench_metrics import metric_samples
 
     deadline = time.monotonic() + timeout_s
-    last = scrape()
+    last = metric_samples(url)
     while True:
         time.sleep(quiet_s)
-        now = scrape()
+        now = metric_samples(url)
         if now == last or time.monotonic() > deadline:
             return now
         last = now
