@@ -126,6 +126,10 @@ def test_a_module_skipped_at_collection_is_judged_by_its_reason(
         "def test_pinned(): pass\n",
         test_bare="import pytest\npytest.skip('vLLM is not installed', allow_module_level=True)\n",
     )
+    # Its own ini file makes the test folder pytest's rootdir, so the reports name the
+    # modules as a CI run does (the folder can be inside the checkout, whose
+    # pyproject.toml would otherwise be the rootdir: TMPDIR is .nox/tests/tmp/run there).
+    pytester.makeini("[pytest]\n")
     reports = pytester.path / "reports"
     reports.mkdir()
     for session in ("tests", "core-no-torch"):

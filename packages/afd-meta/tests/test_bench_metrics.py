@@ -56,7 +56,10 @@ def _exported(kind: str, ranks: dict[str, float]) -> str:
     families = _ffn_families(reg) if kind == "ffn" else _attention_families(reg)
     for rank, value in ranks.items():
         for fam in families.values():
-            child = fam.labels(rank=rank)
+            # Families with labels beyond the rank (the per-micro-batch exchange count)
+            # get one child, of micro-batch 0.
+            extra = {name: "0" for name in fam._labelnames if name != "rank"}
+            child = fam.labels(rank=rank, **extra)
             if hasattr(child, "inc"):
                 child.inc(value)
             elif hasattr(child, "observe"):
