@@ -406,14 +406,9 @@ def settled_metric_samples(
     so right after a completion returns the last layer may not be counted yet (by
     microseconds, or longer when the roles share CPUs and the attention side runs first).
     """
-    deadline = time.monotonic() + timeout_s
-    last = metric_samples(url)
-    while True:
-        time.sleep(quiet_s)
-        now = metric_samples(url)
-        if now == last or time.monotonic() > deadline:
-            return now
-        last = now
+    from afd.tools.bench_metrics import settled
+
+    return settled(lambda: metric_samples(url), quiet_s=quiet_s, timeout_s=timeout_s)
 
 
 class HealthWatch(threading.Thread):

@@ -11,8 +11,9 @@ gets the tokens routed to its experts).
 
 from __future__ import annotations
 
+import time
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = ["delta", "format_level", "scrape"]
@@ -51,6 +52,22 @@ def metric_samples(url: str) -> Samples:
         for family in text_string_to_metric_families(body)
         for s in family.samples
     }
+
+
+def settled(
+    scrape: Callable[[], Samples], *, quiet_s: float = 0.3, timeout_s: float = 15.0
+) -> Samples:
+    """``scrape()`` once two calls ``quiet_s`` apart agree (a role writes a step's or a
+    layer's counters one after another, just after it answered), or the last one after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last = scrape()
+    while True:
+        time.sleep(quiet_s)
+        now = scrape()
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
 
 
 def _samples(url: str) -> dict[tuple[str, str], float]:

@@ -261,16 +261,9 @@ def attention_samples(url: str, *, quiet_s: float = 0.3, timeout_s: float = 15.0
     """``GET url/metrics`` (the Attention role's API server) parsed, once two scrapes
     ``quiet_s`` apart agree (a step's counters are written one after another at its end);
     empty when nothing answers."""
-    from afd.tools.bench_metrics import metric_samples
+    from afd.tools.bench_metrics import metric_samples, settled
 
-    deadline = time.monotonic() + timeout_s
-    last = metric_samples(url)
-    while True:
-        time.sleep(quiet_s)
-        now = metric_samples(url)
-        if now == last or time.monotonic() > deadline:
-            return now
-        last = now
+    return settled(lambda: metric_samples(url), quiet_s=quiet_s, timeout_s=timeout_s)
 
 
 def _per_rank(samples: Samples, name: str) -> dict[str, float]:
