@@ -52,10 +52,10 @@ def test_one_layer_round_trip_carries_topk_and_the_answer(cam_deployment) -> Non
 def test_handshake_mismatch_names_the_setting_and_both_roles(cam_deployment) -> None:
     with pytest.raises(AFDConfigError) as info:
         cam_deployment(CAMP2pAFDConnector, per_role={"attention": GATE})
+    # Refused at admission (afd-core's connect phase), naming the field and both sides.
     text = str(info.value)
-    assert "afd.compute_gate_on_attention is" in text
-    assert "attention role" in text and "ffn role" in text
-    assert "set the same value on both roles" in text
+    assert "gate_on_attention: attention rank 0 has 'attention', ffn rank 0 has 'ffn'" in text
+    assert "Start every role on the same checkpoint and settings" in text
 
 
 def test_handshake_mismatch_between_ranks_of_one_role_names_the_ranks(init_all) -> None:
@@ -78,10 +78,7 @@ def test_handshake_mismatch_between_ranks_of_one_role_names_the_ranks(init_all) 
     ]
     errors = init_all(conns)
     assert all(isinstance(e, AFDConfigError) for e in errors), errors
-    assert (
-        "afd.num_micro_batches is 2 on the attention rank 1 but 1 on the attention rank 0"
-        in str(errors[1])
-    )
+    assert "num_micro_batches: attention rank 0 has '1', attention rank 1 has '2'" in str(errors[1])
     for c in conns:
         c.close()
 
@@ -93,7 +90,7 @@ def test_handshake_times_out_naming_the_missing_rank() -> None:
         rank=0,
         ops_factory=fabric.ops_factory,
     )
-    with pytest.raises(AFDTimeoutError, match="still missing ffn rank 0 of 1A1F"):
+    with pytest.raises(AFDTimeoutError, match="still missing: ffn rank 0 of 1A1F"):
         conn.init()
     assert not conn.is_initialized
     conn.close()

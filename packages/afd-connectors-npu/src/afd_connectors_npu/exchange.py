@@ -21,12 +21,12 @@ from typing import Any, ClassVar
 from afd_connectors_npu.ops import A2EMessage, CAMOps, CAMOpsFactory, E2AMessage
 from afd_connectors_npu.routing import A2ECodec, A2EMeta, E2AMeta, decode_e2a, encode_e2a
 from afd_connectors_npu.validation import (
-    compare_digests,
-    handshake_digest,
+    admission_settings,
     shape_from_vllm_config,
     validate_npu_deployment,
 )
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.connect import Session, connect_phase
 from afd_core.errors import (
     AFDConfigError,
     AFDConnectorClosedError,
@@ -72,6 +72,8 @@ class CAMTransport(Transport):
     def __init__(self, connector: ExchangeConnector) -> None:
         super().__init__(connector)
         self.ops: CAMOps | None = None
+        #: This rank's admitted session (the host's admission desk runs until close()).
+        self.session: Session | None = None
         # Peer global rank -> (frame, tensors) of its message received but not consumed.
         self._current: dict[int, tuple[Frame, list[Any]]] = {}
 
@@ -93,6 +95,9 @@ class CAMTransport(Transport):
 
     # -- Transport -----------------------------------------------------------------------
     def connect(self) -> None:
+        """afd-core's connect phase (store, admission: token, rank, fingerprint with the
+        CAM settings both roles must agree on; join) over the ops' rendezvous, then the
+        CAM world's own set-up on the admitted session store."""
         c = self.connector
         ops = c._ops_factory(c.config, c.rank)
         with c._state_lock:
@@ -101,16 +106,30 @@ class CAMTransport(Transport):
                 raise AFDConnectorClosedError(f"{c.label}: closed during init()")
             self.ops = ops
         try:
-            digests = ops.handshake(
-                handshake_digest(c.config), timeout_s=c.config.connect_timeout_s
+            session = connect_phase(
+                c.config,
+                global_rank=c.global_rank,
+                label=c.label,
+                backend=ops.rendezvous(),
+                prefix="afd-cam",
+                identity=c.identity,
+                settings=admission_settings(c.config),
             )
-            compare_digests((c.role, c.rank), digests)
+            self.session = session
+            ops.join(session.keys, timeout_s=c.config.connect_timeout_s)
         except BaseException:
+            self._close_session()
             ops.close()
             raise
         self.ready = True
 
+    def _close_session(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            session.close()
+
     def close(self) -> None:
+        self._close_session()
         if self.ops is not None:
             self.ops.close()
         self.ready = False

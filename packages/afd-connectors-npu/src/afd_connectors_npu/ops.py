@@ -7,6 +7,11 @@ connectors speak to it in plain messages:
   (int32 ``[tokens, width]``) and the *scales* slot (float32 ``[tokens, width]``);
 * :class:`E2AMessage` (FFN -> Attention, "E2A"): the output and an optional second tensor.
 
+Before any message, the connector runs afd-core's connect phase
+(:func:`afd_core.connect.connect_phase`: store, admission with token and fingerprint,
+join) over :meth:`CAMOps.rendezvous`, then :meth:`CAMOps.join` sets up the CAM world on
+the admitted session store.
+
 Both carry ``meta``, a short tuple of ints the connector defines (the transfer header
 and a few words, see :mod:`afd_connectors_npu.routing`); the operators move the
 tensors, the binding moves ``meta`` beside them.
@@ -26,11 +31,12 @@ Ascend binding). Nothing here imports torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.connect import RendezvousBackend
 from afd_core.errors import AFDConnectorError
 
 __all__ = [
@@ -91,13 +97,15 @@ class CAMHandle(Protocol):
 class CAMOps(Protocol):
     """CAM operators of one (role, rank). Peers are ranks of the other role."""
 
-    def handshake(
-        self, digest: Mapping[str, str], *, timeout_s: float
-    ) -> dict[RankKey, dict[str, str]]:
-        """Join the CAM world; publish ``digest`` and return every rank's digest (own included).
+    def rendezvous(self) -> RendezvousBackend:
+        """Where the ranks meet for afd-core's connect phase (admission included): the
+        Ascend binding's TCP store at ``afd.host:afd.port``, the fake world's memory store."""
+        ...
 
-        Collective over all ranks of both roles.
-        """
+    def join(self, store: Any, *, timeout_s: float) -> None:
+        """Set up the CAM world of this rank once the deployment admitted it: ``store`` is
+        the session store (:attr:`afd_core.connect.Session.keys`), private to the admitted
+        ranks, on which the binding may carry its side channel (each message's meta)."""
         ...
 
     # -- synchronous P2P (CAMP2p) ------------------------------------------------------

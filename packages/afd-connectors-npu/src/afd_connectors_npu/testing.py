@@ -9,6 +9,10 @@ tensors (as a device transfer would), timeouts, ``close()`` unblocking receives,
 loss (:meth:`FakeCAMFabric.lose`), a non-blocking dispatch with optional latency, and
 a record of what each operator was handed (:attr:`FakeCAMFabric.records`).
 
+The fabric also holds the deployment's rendezvous store (in memory,
+:class:`~afd_core.testing.store.MemoryRendezvous`), so the connectors' connect phase
+(admission: token, rank, fingerprint) runs over it as it does over TCP on Ascend.
+
 It moves tensors; it does not model CAM's expert-major dispatch layout, quantisation,
 buffer capacities or HCCL. :class:`CAMThreadHarness` implements afd-core's
 ``ConnectorHarness`` (one thread per rank) so ``run_scenario`` runs over the fake.
@@ -31,6 +35,7 @@ from afd_core.errors import (
     AFDPeerLostError,
     AFDTimeoutError,
 )
+from afd_core.testing.store import MemoryRendezvous
 from afd_core.topology import AFDTopology
 
 __all__ = ["FakeCAMFabric", "FakeCAMOps", "FakeCAMHandle", "OpRecord", "CAMThreadHarness"]
@@ -103,7 +108,8 @@ class FakeCAMFabric:
     records: list[OpRecord] = field(default_factory=list)
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _boxes: dict[_Box, collections.deque[_Message]] = field(default_factory=dict)
-    _digests: dict[RankKey, dict[str, str]] = field(default_factory=dict)
+    rendezvous: MemoryRendezvous = field(default_factory=MemoryRendezvous)
+    """The store the ranks meet at (on Ascend: the binding's TCP store at afd.host:afd.port)."""
     _gone: set[RankKey] = field(default_factory=set)
 
     def ops_factory(self, config: AFDConfig, rank: int) -> FakeCAMOps:
@@ -179,31 +185,16 @@ class FakeCAMOps:
         self.key: RankKey = (config.role, rank)
         self.topology = AFDTopology(config.num_attention_ranks, config.num_ffn_ranks)
         self._closed = False
+        self.store: Any = None
 
-    def handshake(
-        self, digest: Mapping[str, str], *, timeout_s: float
-    ) -> dict[RankKey, dict[str, str]]:
-        fabric = self.fabric
-        world = [(role, r) for role in AFDRole for r in range(self.topology.size_of(role))]
-        deadline = time.monotonic() + timeout_s
-        with fabric._cond:
-            fabric._digests[self.key] = dict(digest)
-            fabric._cond.notify_all()
-            while True:
-                if self.key in fabric._gone:
-                    raise AFDConnectorClosedError("fake CAM handshake: closed while joining")
-                missing = [k for k in world if k not in fabric._digests]
-                if not missing:
-                    return {k: dict(fabric._digests[k]) for k in world}
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    names = ", ".join(f"{role.value} rank {r}" for role, r in missing)
-                    raise AFDTimeoutError(
-                        f"fake CAM handshake of {self.key[0].value} rank {self.key[1]}: still "
-                        f"missing {names} of {self.topology.label} after {timeout_s:g} s "
-                        "(afd.connect_timeout_s)"
-                    )
-                fabric._cond.wait(remaining)
+    def rendezvous(self) -> MemoryRendezvous:
+        """The fabric's in-memory store: afd-core's connect phase runs over it unchanged."""
+        return self.fabric.rendezvous
+
+    def join(self, store: Any, *, timeout_s: float) -> None:
+        if self._closed:
+            raise AFDConnectorClosedError("fake CAM join: closed while joining")
+        self.store = store
 
     # -- synchronous ----------------------------------------------------------------------
     def a2e_send(self, ffn_rank: int, message: A2EMessage, *, timeout_s: float) -> None:

@@ -16,8 +16,12 @@ Rules for the CAM connectors (:data:`CAM_CONNECTORS`):
   the exchange does on CUDA, or inside a captured graph): the Attention role runs eager
   (``--enforce-eager``) until a CAM transport declares itself capturable
   (:data:`GRAPH_CAPTURABLE_CONNECTORS`, empty today);
-* both roles agree on the settings in :func:`handshake_digest` (the connectors compare
-  them in ``init()``; :func:`check_roles_agree` compares two configs directly).
+* every rank agrees on the settings in :func:`handshake_digest`: the connectors' ``init()``
+  runs afd-core's connect phase, whose admission compares the deployment fingerprint
+  (connector, topology, gate placement, routing payload, the model) plus
+  :func:`admission_settings` with attention rank 0's, and checks the token
+  (``afd.auth_token``) like every other transport; :func:`check_roles_agree` compares
+  two configs directly.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ __all__ = [
     "shape_from_vllm_config",
     "validate_npu_deployment",
     "handshake_digest",
+    "admission_settings",
     "compare_digests",
     "check_roles_agree",
 ]
@@ -202,8 +207,15 @@ def _text(value: Any) -> str:
 
 
 def handshake_digest(config: AFDConfig) -> dict[str, str]:
-    """The settings a CAM connector publishes in its handshake (all strings)."""
+    """The settings both roles of a CAM deployment must agree on (all strings)."""
     return {key: _text(getattr(config, key)) for key in _AGREED}
+
+
+def admission_settings(config: AFDConfig) -> dict[str, str]:
+    """The CAM settings every rank must agree on beyond afd-core's fingerprint fields
+    (:func:`afd_core.admission.config_fields` already holds the connector, the topology,
+    the gate placement and the routing payload): compared at admission."""
+    return {"num_micro_batches": _text(config.num_micro_batches)}
 
 
 def _who(key: tuple[AFDRole, int], same_role: bool) -> str:

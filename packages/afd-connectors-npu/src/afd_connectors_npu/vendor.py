@@ -9,9 +9,10 @@ CPU tests use :class:`afd_connectors_npu.testing.FakeCAMFabric` instead. What it
 3. resolves one operator per CAM operation in ``torch.ops.<cam_op_namespace>``
    (default namespace :data:`DEFAULT_NAMESPACE`, names :data:`DEFAULT_OP_NAMES`, each
    overridable through ``connector_extra_config["cam_op_names"]``);
-4. returns :class:`VendorCAMOps`, which runs the handshake and carries each message's
-   ``meta`` through a ``torch.distributed.TCPStore`` at ``afd.host:afd.port`` (global
-   rank 0, attention rank 0, hosts it) and hands the tensors to the operators.
+4. returns :class:`VendorCAMOps`, whose rendezvous is afd-core's TCP store at
+   ``afd.host:afd.port`` (attention rank 0 hosts it; the connector runs admission over
+   it), which carries each message's ``meta`` under the admitted session prefix, and
+   which hands the tensors to the operators.
 
 Assumed operator call convention (unverified; the upstream ``afd_ascend`` operators take
 extra sizing and HCCL-group arguments, so a deployment registers thin adapters with
@@ -47,6 +48,7 @@ from afd_connectors_npu.ops import (
 )
 from afd_connectors_npu.routing import IdsChannel
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.connect import RendezvousBackend, TCPRendezvous
 from afd_core.errors import AFDConnectorClosedError, AFDTimeoutError
 from afd_core.topology import AFDTopology
 from afd_core.transfer import PayloadKind, TransferHeader
@@ -144,21 +146,14 @@ class VendorCAMOps:
     """CAM operators of one rank on Ascend (see the module docstring; never run here)."""
 
     def __init__(self, config: AFDConfig, rank: int, ops: Mapping[str, Any]) -> None:
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
         self.config = config
         self.key: RankKey = (config.role, rank)
         self.topology = AFDTopology(config.num_attention_ranks, config.num_ffn_ranks)
         self._ops = dict(ops)
         self._global = self.topology.global_rank(config.role, rank)
-        self._store = TCPStore(
-            config.host,
-            config.port,
-            self.topology.world_size,
-            is_master=self._global == 0,
-            timeout=timedelta(seconds=config.connect_timeout_s),
-            wait_for_workers=False,
-        )
+        # The admitted session store (afd-core's connect phase over rendezvous()): each
+        # message's meta travels there, under the deployment's secret session prefix.
+        self._store: Any = None
         self._seq: dict[tuple[str, int, int], int] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -195,22 +190,12 @@ class VendorCAMOps:
         return tuple(int(v) for v in json.loads(value))
 
     # -- CAMOps ---------------------------------------------------------------------------
-    def handshake(
-        self, digest: Mapping[str, str], *, timeout_s: float
-    ) -> dict[RankKey, dict[str, str]]:
-        world = [(role, r) for role in AFDRole for r in range(self.topology.size_of(role))]
-        self._store.set(
-            f"afd-cam/digest/{self.key[0].value}/{self.key[1]}", json.dumps(dict(digest))
-        )
-        keys = [f"afd-cam/digest/{role.value}/{r}" for role, r in world]
-        try:
-            self._store.wait(keys, timedelta(seconds=timeout_s))
-        except Exception as exc:
-            raise AFDTimeoutError(
-                f"CAM handshake: not every rank of {self.topology.label} joined within "
-                f"{timeout_s:g} s (afd.connect_timeout_s): {exc}"
-            ) from exc
-        return {k: json.loads(self._store.get(key)) for k, key in zip(world, keys, strict=True)}
+    def rendezvous(self) -> RendezvousBackend:
+        """The TCP store at ``afd.host:afd.port`` that attention rank 0 hosts."""
+        return TCPRendezvous(self.config)
+
+    def join(self, store: Any, *, timeout_s: float) -> None:
+        self._store = store
 
     def a2e_send(self, ffn_rank: int, message: A2EMessage, *, timeout_s: float) -> None:
         self._put_meta("a2e", ffn_rank, message.meta)

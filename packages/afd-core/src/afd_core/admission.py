@@ -289,6 +289,7 @@ class AdmissionDesk:
         for number in range(self._next, issued + 1):
             self._tickets[number] = _Ticket(number, now)
         self._next = max(self._next, issued + 1)
+        stop: AFDConfigError | None = None
         for number in sorted(self._tickets):
             ticket = self._tickets[number]
             if not store.check([f"{_PREFIX}hello/{number}"]):
@@ -296,12 +297,15 @@ class AdmissionDesk:
                     del self._tickets[number]
                 continue
             del self._tickets[number]
-            mismatch = self._answer(number, store.get(f"{_PREFIX}hello/{number}"))
-            if mismatch is not None:
-                return mismatch
-        return None
+            # Once this host stops, the hellos already here are refused with its reason
+            # (after their own checks), not left without a verdict.
+            mismatch = self._answer(number, store.get(f"{_PREFIX}hello/{number}"), stop)
+            stop = stop or mismatch
+        return stop
 
-    def _answer(self, number: int, raw: bytes) -> AFDConfigError | None:
+    def _answer(
+        self, number: int, raw: bytes, stop: AFDConfigError | None = None
+    ) -> AFDConfigError | None:
         try:
             hello = json.loads(raw)
             role = AFDRole(hello["role"])
@@ -397,6 +401,15 @@ class AdmissionDesk:
             if mismatch is not None:
                 self._wait_read(number)
             return mismatch
+        if stop is not None:
+            kind = "fingerprint" if isinstance(stop, AFDFingerprintMismatchError) else "rank"
+            reason = f"attention rank 0 stopped the deployment while it assembled: {stop}"
+            self.refused += 1
+            self._verdict(number, cnonce, kind, reason)
+            logger.warning(
+                "AFD admission at %s: refused %s (%s): stopping", self._where, who, claim
+            )
+            return None
         self.admitted[self.topology.global_rank(role, rank)] = claim
         self._verdict(number, cnonce, "", "")
         logger.info("AFD admission at %s: admitted %s (%s)", self._where, who, claim)
