@@ -219,6 +219,34 @@ def test_from_additional_config_conflicting_role_is_an_error() -> None:
         AFDConfig.from_additional_config({"afd": {"role": "attention"}}, role="ffn")
 
 
+def test_from_additional_config_names_the_option_that_gave_the_role() -> None:
+    with pytest.raises(AFDConfigError, match=r"^--role ffn conflicts with afd.role='attention'"):
+        AFDConfig.from_additional_config(
+            {"afd": {"afd_role": "attention"}}, role="ffn", role_from="--role"
+        )
+
+
+def test_additional_config_json_is_what_the_process_parses_back() -> None:
+    import json
+
+    from afd_core.config import additional_config_json, afd_config_of
+
+    config = AFDConfig.parse({"role": "ffn", "num_afd_stages": 2, "rank": 0, "port": 4000})
+    blob = additional_config_json(config, {"other": 1, "afd": {"stale": True}})
+    data = json.loads(blob)
+    # canonical keys, the role and what differs from the defaults; other keys kept
+    assert data == {
+        "other": 1,
+        "afd": {"role": "ffn", "num_micro_batches": 2, "rank": 0, "port": 4000},
+    }
+    assert AFDConfig.from_additional_config(data) == config
+
+    class _VllmConfig:
+        additional_config = data
+
+    assert afd_config_of(_VllmConfig()) == config
+
+
 def test_from_additional_config_without_section_or_role_explains_the_flag() -> None:
     with pytest.raises(AFDConfigError, match="--additional-config") as info:
         AFDConfig.from_additional_config({"x": 1})

@@ -187,8 +187,8 @@ def test_one_afd_run_per_micro_batch_count() -> None:
     base = DeploymentSpec(model="/m", afd={"num_micro_batches": 3, "transfer_timeout_s": 9})
     runs = _plan_runs(base, ["native", "afd"], ["auto"], [0, 1], [1, 2])
     assert [name for name, _ in runs] == ["native/auto", "afd/m1", "afd/m2"]
-    assert runs[1][1].afd == {"transfer_timeout_s": 9}  # m = 1: the key is left out (the default)
-    assert runs[2][1].afd == {"transfer_timeout_s": 9, "num_micro_batches": 2}
+    assert runs[1][1].to_dict()["afd"] == {"transfer_timeout_s": 9}  # m = 1: the default
+    assert runs[2][1].to_dict()["afd"] == {"transfer_timeout_s": 9, "num_micro_batches": 2}
     assert [n for n, _ in _plan_runs(base, ["afd"], [], [0, 1], [2])] == ["afd"]
 
 
@@ -207,7 +207,7 @@ def test_bench_measures_every_m_and_reports_the_best_per_level(
         spec = current[-1]
         if spec.native:
             return _lv(native[c])
-        return _lv(tok_s[int(spec.afd.get("num_micro_batches", 1))][c])
+        return _lv(tok_s[spec.afd.num_micro_batches][c])
 
     _fake_runs(monkeypatch, fake_deployment, fake_level)
     out = tmp_path / "out"
@@ -241,7 +241,7 @@ def test_repeats_alternate_the_order_and_report_medians_and_each_ratio(
     current: list[float] = []
 
     def fake_deployment(spec: DeploymentSpec, **kw: Any) -> _FakeDeployment:
-        m = int(spec.afd.get("num_micro_batches", 1))
+        m = spec.afd.num_micro_batches
         order.append("native" if spec.native else f"m{m}")
         current.append(next(native) if spec.native else next(afd[m]))
         dep = _FakeDeployment(spec, **kw)

@@ -350,7 +350,7 @@ def test_default_connector_is_shared_memory_unless_set(tmp_path: Path) -> None:
     assert DEFAULT_CONNECTOR == "P2pShmAFDConnector"
     spec = DeploymentSpec(model="/m")
     assert spec.connector == "P2pShmAFDConnector"
-    assert spec.afd == {}  # the spec keeps what the user wrote
+    assert spec.connector_auto and spec.to_dict() == {"model": "/m"}  # what the user wrote
     for role in _built(spec, tmp_path, [0, 1]).values():
         config = json.loads(role.cmd[role.cmd.index("--additional-config") + 1])
         assert config["afd"]["connector"] == "P2pShmAFDConnector"
@@ -359,7 +359,7 @@ def test_default_connector_is_shared_memory_unless_set(tmp_path: Path) -> None:
     # Where CUDA devices are visible the roles' tensors are on the GPUs: NCCL.
     gpu_host = DeploymentSpec(model="/m", env={"CUDA_VISIBLE_DEVICES": "0,1"})
     assert gpu_host.connector == "P2pNcclAFDConnector"
-    assert spec.afd_section("ffn", 0, port=1)["connector"] == "P2pGlooAFDConnector"
+    assert spec.afd_config("ffn", 0, port=1).connector == "P2pGlooAFDConnector"
 
 
 # ---------------------------------------------------------------- printed lines

@@ -86,10 +86,11 @@ def test_upstream_aliases_in_afd_are_resolved_once() -> None:
     spec = DeploymentSpec(
         model="/m", afd={"afd_connector": "P2pGlooAFDConnector", "num_afd_stages": 2}
     )
-    assert spec.afd == {"connector": "P2pGlooAFDConnector", "num_micro_batches": 2}
-    assert spec.connector == "P2pGlooAFDConnector"
-    sec = spec.afd_section("attention", 0, port=1)
-    assert sec["connector"] == "P2pGlooAFDConnector" and "afd_connector" not in sec
+    assert (spec.afd.connector, spec.afd.num_micro_batches) == ("P2pGlooAFDConnector", 2)
+    assert spec.connector == "P2pGlooAFDConnector" and not spec.connector_auto
+    assert spec.to_dict()["afd"] == {"connector": "P2pGlooAFDConnector", "num_micro_batches": 2}
+    afd = spec.afd_config("attention", 0, port=1)
+    assert afd.connector == "P2pGlooAFDConnector" and "afd_connector" not in afd.to_section()
     with pytest.raises(SpecError, match=r"afd.num_micro_batches: given twice, as 'num_afd"):
         DeploymentSpec(model="/m", afd={"num_afd_stages": 2, "num_micro_batches": 2})
 
@@ -108,16 +109,96 @@ def test_afd_section_per_process() -> None:
         compute_gate_on_attention=True,
         afd={"routing_payload": "router_logits", "connect_timeout_s": 30},
     )
-    sec = spec.afd_section("attention", 1, port=1234)
-    assert sec == {
-        "routing_payload": "router_logits", "connect_timeout_s": 30, "role": "attention",
+    afd = spec.afd_config("attention", 1, port=1234)
+    got = {k: v for k, v in afd.to_dict().items() if k in _PER_PROCESS_CHECKED}
+    assert got == {
+        "routing_payload": "router_logits", "connect_timeout_s": 30.0, "role": "attention",
         "rank": 1, "host": "127.0.0.1", "port": 1234, "num_attention_ranks": 2,
         "num_ffn_ranks": 1, "compute_gate_on_attention": True,
         "connector": "P2pShmAFDConnector",  # the same-host default
     }  # fmt: skip
+    from afd_core.config import AFDConfig, additional_config_json
+
+    # what the role's command carries parses back to the same settings
+    assert AFDConfig.from_additional_config(json.loads(additional_config_json(afd))) == afd
+    assert spec.afd_config("ffn", 0, port=1234).rank == 0
+
+
+_PER_PROCESS_CHECKED = (
+    "routing_payload", "connect_timeout_s", "role", "rank", "host", "port",
+    "num_attention_ranks", "num_ffn_ranks", "compute_gate_on_attention", "connector",
+)  # fmt: skip
+
+
+def test_the_spec_holds_one_typed_afd_config() -> None:
     from afd_core.config import AFDConfig
 
-    assert AFDConfig.parse(sec).rank == 1
+    spec = DeploymentSpec(
+        model="/m", num_attention=2, num_ffn=2, ffn_expert_parallel=True,
+        afd={"num_afd_stages": 2, "transfer_timeout_s": 9},
+    )  # fmt: skip
+    assert isinstance(spec.afd, AFDConfig)
+    assert (spec.afd.num_attention_ranks, spec.afd.num_ffn_ranks) == (2, 2)
+    assert (spec.num_attention, spec.num_ffn, spec.ffn_expert_parallel) == (2, 2, True)
+    assert (spec.afd.num_micro_batches, spec.afd.transfer_timeout_s) == (2, 9.0)
+    # a copy keeps every setting it does not change, and checks the result again
+    wider = spec.replace(num_attention=4)
+    assert (wider.afd.num_attention_ranks, wider.afd.num_micro_batches) == (4, 2)
+    with pytest.raises(SpecError, match=r"^num_attention: expected an int >= 1, got 0"):
+        spec.replace(num_attention=0)
+    # an AFDConfig given as is (its role is the launcher's; the connector is explicit)
+    given = AFDConfig(role="ffn", connector="P2pGlooAFDConnector", num_micro_batches=3)
+    typed = DeploymentSpec(model="/m", afd=given, num_attention=2)
+    assert (typed.connector, typed.connector_auto) == ("P2pGlooAFDConnector", False)
+    assert (typed.afd.num_micro_batches, typed.num_attention) == (3, 2)
+    with pytest.raises(SpecError, match=r"^afd.port: set by the launcher; .*connector_port$"):
+        DeploymentSpec(model="/m", afd=AFDConfig(role="ffn", port=4000))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"ffn_expert_parallel": 1}, r"^ffn_expert_parallel: expected a bool"),
+        ({"attention_tensor_parallel_size": "2"}, r"^attention_tensor_parallel_size: expected"),
+        ({"compute_gate_on_attention": "yes"}, r"^compute_gate_on_attention: expected a bool"),
+        ({"afd": {"num_ffn_ranks": 2}}, r"^afd.num_ffn_ranks: set by the launcher; .* num_ffn$"),
+        ({"afd": {"num_afd_stages": 0}}, r"^afd.num_micro_batches: expected an int >= 1"),
+    ],
+)
+def test_bad_afd_settings_are_one_line_naming_the_spec_key(kwargs: dict, match: str) -> None:
+    with pytest.raises(SpecError, match=match) as info:
+        DeploymentSpec(model="/m", **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_a_copy_chooses_the_default_connector_again() -> None:
+    spec = DeploymentSpec(model="/m")  # CPU host, no connector named: shared memory
+    assert (spec.connector, spec.connector_auto) == ("P2pShmAFDConnector", True)
+    on_ray = spec.replace(ray={"placement": "spread"})
+    assert on_ray.connector == "P2pGlooAFDConnector"  # roles may land on other hosts
+    named = DeploymentSpec(model="/m", afd={"connector": "P2pGlooAFDConnector"})
+    assert named.replace(ray={"placement": "pack"}).connector == "P2pGlooAFDConnector"
+
+
+def test_a_spec_writes_the_file_that_builds_it_again(tmp_path: Path) -> None:
+    spec = DeploymentSpec(
+        model=str(tmp_path), num_attention=2, compute_gate_on_attention=True,
+        dtype="float32", vllm_args=["--max-num-seqs", "8"], http_port=8000,
+        afd={"num_afd_stages": 2, "routing_payload": "router_logits"},
+        env={"A": "1"}, attention={"cpus": ["0", "1"]}, ffn={"env": {"B": "x y"}},
+    )  # fmt: skip
+    text = spec.to_toml()
+    assert "num_afd_stages" not in text and "connector" not in text  # canonical; auto
+    (tmp_path / "dep.toml").write_text(text)
+    assert DeploymentSpec.from_toml(tmp_path / "dep.toml") == spec
+    assert spec.to_dict()["afd"] == {"num_micro_batches": 2, "routing_payload": "router_logits"}
+    on_ray = DeploymentSpec(
+        model="/m", ray={"placement": "spread", "attention": {"num_cpus": 2}},
+        afd={"connector": "P2pGlooAFDConnector"},
+    )  # fmt: skip
+    (tmp_path / "ray.toml").write_text(on_ray.to_toml())
+    assert DeploymentSpec.from_toml(tmp_path / "ray.toml") == on_ray
+    assert DeploymentSpec(model="/m").to_toml() == 'model = "/m"\n'
 
 
 # ---------------------------------------------------------------- TOML loading
@@ -150,7 +231,8 @@ env = { BAZ = 1 }
     assert spec.log_dir == str(tmp_path / "logs")
     assert (spec.num_attention, spec.num_ffn, spec.dtype) == (2, 1, "float32")
     assert spec.vllm_args == ["--max-num-seqs", "8"]
-    assert spec.afd == {"connect_timeout_s": 120}
+    assert spec.afd.connect_timeout_s == 120
+    assert spec.to_dict()["afd"] == {"connect_timeout_s": 120.0}  # what the file says
     assert spec.attention.vllm_args == ["--max-num-batched-tokens", "512"]
     assert spec.ffn.model == str(tmp_path / "ckpt")
     assert spec.ffn.env == {"BAZ": "1"}

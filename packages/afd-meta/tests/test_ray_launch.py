@@ -109,8 +109,8 @@ def test_connector_and_placement_defaults_on_ray(
     spec = DeploymentSpec(model="/m", ray=ray, afd=afd)
     assert (spec.connector, spec.ray_placement) == (connector, placement)
     # every process gets it, with the rendezvous host the launcher found
-    section = spec.afd_section("ffn", 0, port=1234, host="10.0.0.7")
-    assert (section["connector"], section["host"], section["port"]) == (connector, "10.0.0.7", 1234)
+    afd = spec.afd_config("ffn", 0, port=1234, host="10.0.0.7")
+    assert (afd.connector, afd.host, afd.port) == (connector, "10.0.0.7", 1234)
 
 
 # ---------------------------------------------------------------- the placement plan

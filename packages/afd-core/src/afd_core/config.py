@@ -9,9 +9,11 @@ value given and what is allowed. The same checks run when an :class:`AFDConfig`
 is built directly, so an instance is always valid.
 
 The section is parsed once, at the edge (``afd serve``, ``afd launch``'s spec), and
-handed to vLLM in canonical keys (:meth:`AFDConfig.to_section`); every role process
-then reads it through :func:`afd_config_of`, which parses each distinct section once per
-process, so no code below the edge reads raw keys or resolves aliases. (Over 400 lines:
+handed on in canonical keys by one function, :func:`additional_config_json` (the
+``--additional-config`` value of a role process); every role process then reads it
+through :func:`afd_config_of`, which parses each distinct section once per process, so
+no code below the edge reads raw keys or resolves aliases (tests/workspace/
+test_config_edge.py checks that). (Over 400 lines:
 every field's validation and its one-line error stay together with the dataclass.)
 """
 
@@ -41,6 +43,7 @@ __all__ = [
     "AFDRole",
     "RoutingPayload",
     "AFDConfig",
+    "additional_config_json",
     "afd_config_of",
 ]
 
@@ -327,8 +330,11 @@ class AFDConfig:
         additional_config: Mapping[str, Any] | None,
         *,
         role: AFDRole | str | None = None,
+        role_from: str | None = None,
     ) -> AFDConfig:
-        """Read ``additional_config["afd"]``; ``role`` fills (or must agree with) the section's."""
+        """Read ``additional_config["afd"]``; ``role`` fills (or must agree with) the
+        section's. ``role_from``: the option that gave ``role`` (e.g. ``--role``), named
+        in the error when they disagree."""
         if additional_config is None:
             additional_config = {}
         if not isinstance(additional_config, Mapping):
@@ -352,6 +358,11 @@ class AFDConfig:
             key = next((k for k in ("role", "afd_role") if k in merged), None)
             if key is not None and merged[key] is not None:
                 given = _check_enum("role", merged[key], AFDRole)
+                if given is not wanted and role_from is not None:
+                    raise AFDConfigError(
+                        f"{role_from} {wanted.value} conflicts with afd.role={merged[key]!r} "
+                        f"(additional_config['afd'][{key!r}]); remove the key or make them agree"
+                    )
                 if given is not wanted:
                     raise AFDConfigError(
                         f"afd.role: the process runs as {wanted.value!r} but "
@@ -425,6 +436,16 @@ class AFDConfig:
         data = self.to_dict()
         blob = json.dumps({k: data[k] for k in _GRAPH_FIELDS}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def additional_config_json(config: AFDConfig, additional: Mapping[str, Any] | None = None) -> str:
+    """The ``--additional-config`` value that hands ``config`` to a process: ``additional``
+    (vLLM's other ``additional_config`` keys) with ``config`` as its ``"afd"`` section in
+    canonical keys (:meth:`AFDConfig.to_section`). The one serialiser: the launcher's
+    role commands and ``afd serve`` (for its vLLM engine) write the config with it; the
+    process reads it back with :func:`afd_config_of` (or
+    :meth:`AFDConfig.from_additional_config`)."""
+    return json.dumps({**(additional or {}), ADDITIONAL_CONFIG_KEY: config.to_section()})
 
 
 @functools.lru_cache(maxsize=16)

@@ -40,8 +40,11 @@ rest; the native baseline all of them). Per role, ``cpus`` in ``[attention]`` /
 ``VLLM_CPU_OMP_THREADS_BIND`` in the spec's top-level ``env`` or the launcher's
 environment turns the automatic split off. See docs/cli.md.
 
-The parts, one module each: :mod:`~afd.launch.spec` (the spec, its TOML loader and
-validation; :mod:`~afd.launch.checks` the checks of single values),
+The parts, one module each: :mod:`~afd.launch.spec` (the spec and its validation;
+:mod:`~afd.launch.spec_afd` its AFD settings, parsed once into a typed ``AFDConfig``;
+:mod:`~afd.launch.spec_file` reading and writing spec files; :mod:`~afd.launch.spec_roles`
+the ``[attention]`` / ``[ffn]`` tables; :mod:`~afd.launch.checks` the checks of single
+values),
 :mod:`~afd.launch.ports` (port allocation), :mod:`~afd.launch.devices` and
 :mod:`~afd.launch.cpus` (CUDA devices / CPUs per role; :mod:`~afd.launch.placement`
 plans them for a spec), :mod:`~afd.launch.commands` (the role processes' commands),

@@ -4,6 +4,7 @@ field and what is allowed."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -158,3 +159,51 @@ def check_cpus(name: str, value: Any, ranks: int, *, whole: bool) -> list[str] |
             "one CPU list per rank"
         )
     return out
+
+
+def _fail(name: str, expected: str, value: Any) -> SpecError:
+    return SpecError(f"{name}: expected {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_launch_fields(spec: Any, dtypes: Sequence[str]) -> None:
+    """The launch-only fields of a :class:`~afd.launch.spec.DeploymentSpec` (``spec``),
+    checked and normalised in place (its AFD settings are afd-core's to check)."""
+    if not isinstance(spec.model, str | os.PathLike) or not str(spec.model).strip():
+        raise _fail("model", "a checkpoint directory or model name", spec.model)
+    spec.model = str(spec.model)
+    if spec.dtype not in dtypes:
+        raise _fail("dtype", "one of " + ", ".join(dtypes), spec.dtype)
+    if not _is_int(spec.max_model_len) or spec.max_model_len < 1:
+        raise _fail("max_model_len", "an int >= 1", spec.max_model_len)
+    if not _is_int(spec.kv_cache_memory_bytes) or spec.kv_cache_memory_bytes < 1:
+        raise _fail("kv_cache_memory_bytes", "an int >= 1 (bytes)", spec.kv_cache_memory_bytes)
+    g = spec.gpu_memory_utilization
+    if not isinstance(g, int | float) or isinstance(g, bool) or not 0 < g <= 1:
+        raise _fail("gpu_memory_utilization", "a number in (0, 1]", g)
+    if not isinstance(spec.enforce_eager, bool):
+        raise _fail("enforce_eager", "true or false", spec.enforce_eager)
+    if not isinstance(spec.host, str) or not spec.host.strip():
+        raise _fail("host", "a host name or IP address", spec.host)
+    for name in ("http_port", "connector_port", "ffn_health_port"):
+        v = getattr(spec, name)
+        if not _is_int(v) or not 0 <= v <= 65535:
+            raise _fail(name, "an int in 0..65535 (0 = pick a free port)", v)
+    if spec.http_port and spec.connector_port == spec.http_port:
+        raise SpecError(
+            f"connector_port: {spec.connector_port} collides with the attention HTTP port"
+        )
+    t = spec.startup_timeout_s
+    if not isinstance(t, int | float) or isinstance(t, bool) or t <= 0:
+        raise _fail("startup_timeout_s", "a number of seconds > 0", t)
+    if not isinstance(spec.native, bool):
+        raise _fail("native", "true or false", spec.native)
+    if spec.log_dir is not None:
+        if not isinstance(spec.log_dir, str | os.PathLike) or not str(spec.log_dir):
+            raise _fail("log_dir", "a directory path", spec.log_dir)
+        spec.log_dir = str(spec.log_dir)
+    spec.vllm_args = check_args("vllm_args", spec.vllm_args)
+    spec.env = check_env("env", spec.env)

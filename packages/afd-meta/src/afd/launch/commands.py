@@ -4,8 +4,6 @@ baseline server); and the admission token they share."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +13,7 @@ from afd.launch.cpus import shares_cpus
 from afd.launch.processes import RoleProcess, role_env
 from afd.launch.readiness import NATIVE
 from afd.launch.spec import DeploymentSpec
+from afd_core.config import additional_config_json
 from afd_core.roles import AFDRole
 
 __all__ = ["Layout", "build_roles", "give_token"]
@@ -94,7 +93,7 @@ def _ffn_role(spec: DeploymentSpec, at: Layout, rank: int, cls: type[RoleProcess
         sys.executable, "-m", "afd.cli", "serve", "--role", AFDRole.FFN.value,
         spec.ffn.model or spec.model,
         *spec.engine_args(), *spec.ffn.vllm_args,
-        "--additional-config", json.dumps({"afd": afd.to_section()}),
+        "--additional-config", additional_config_json(afd),
         "--health-host", host, "--health-port", str(health_port),
     ]  # fmt: skip
     return cls(
@@ -115,8 +114,8 @@ def _attention_role(spec: DeploymentSpec, at: Layout, cls: type[RoleProcess]) ->
     # together, and an FFN rank would wait forever for an idle peer.
     port = at.http_port
     host = at.host(spec, "attn")
-    afd = spec.afd_config(AFDRole.ATTENTION, 0, port=at.connector_port, host=at.rendezvous_host)
-    afd = dataclasses.replace(afd, rank=None)  # each DP rank's is its DP rank
+    # each DP rank's AFD rank is its DP rank (rank None: the runtime's)
+    afd = spec.afd_config(AFDRole.ATTENTION, None, port=at.connector_port, host=at.rendezvous_host)
     dp = ["--data-parallel-size", str(spec.num_attention)] if spec.num_attention > 1 else []
     dp += _tensor_parallel_args(spec)
     cmd = [
@@ -125,7 +124,7 @@ def _attention_role(spec: DeploymentSpec, at: Layout, cls: type[RoleProcess]) ->
         *spec.engine_args(), *spec.attention.vllm_args, *dp,
         "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
         "--host", host, "--port", str(port),
-        "--additional-config", json.dumps({"afd": afd.to_section()}),
+        "--additional-config", additional_config_json(afd),
     ]  # fmt: skip
     return cls(
         "attn",
@@ -144,7 +143,7 @@ def give_token(spec: DeploymentSpec, roles: Sequence[RoleProcess]) -> str:
     spec or the environment already chose one. Returns the line to print."""
     from afd_core.admission import TOKEN_ENV, generate_token
 
-    given = [k for k in ("auth_token", "auth_token_file") if spec.afd.get(k)]
+    given = [k for k in ("auth_token", "auth_token_file") if getattr(spec.afd, k)]
     if given:
         return f"admission: token from [afd] {given[0]}"
     if all(role.env.get(TOKEN_ENV) for role in roles):

@@ -150,7 +150,7 @@ class Deployment:
         self.http_ports, self.connector_port = allocate_ports(self.spec)
 
     def _connector_origin(self) -> str:
-        return "from [afd] connector" if self.spec.afd.get("connector") else "same-host default"
+        return "same-host default" if self.spec.connector_auto else "from [afd] connector"
 
     def _placement_lines(self) -> list[str]:
         """What is printed about where the roles run (devices, CPUs)."""

@@ -20,8 +20,6 @@ from afd.launch.cpus import (
 )
 from afd.launch.devices import CUDA_VISIBLE_DEVICES, assign_devices, shared_devices
 from afd.launch.spec import DeploymentSpec
-from afd_core.config import AFDConfig
-from afd_core.errors import AFDConfigError
 from afd_core.roles import AFDRole
 
 __all__ = [
@@ -174,11 +172,7 @@ def takes_turns(spec: DeploymentSpec) -> bool:
     layer). More ranks or micro-batches compute at the same time."""
     if spec.native or spec.num_ffn != 1 or spec.num_workers(AFDRole.ATTENTION) != 1:
         return False
-    try:
-        afd = AFDConfig.canonical(spec.afd)
-    except AFDConfigError:  # reported where the roles' config is built
-        return False
-    return int(afd.get("num_micro_batches", 1)) == 1
+    return spec.afd.num_micro_batches == 1
 
 
 # ---------------------------------------------------------------------------- Ray

@@ -259,7 +259,7 @@ class RayDeployment(Deployment):
             role.node = self.nodes[role.name]
 
     def _connector_origin(self) -> str:
-        if self.spec.afd.get("connector"):
+        if not self.spec.connector_auto:
             return "from [afd] connector"
         return f"Ray default for placement {self.spec.ray_placement}"
 

@@ -160,9 +160,9 @@ def check_ray_deployment(spec: Any, default_host: str, suggest: tuple[str, ...])
                 f"{role}.devices with [ray]: Ray assigns the GPUs of each actor; use "
                 f"ray.{role}.num_gpus instead"
             )
-    explicit = spec.afd.get("connector") if isinstance(spec.afd, Mapping) else None
+    explicit = None if spec.connector_auto else spec.connector
     if (
-        isinstance(explicit, str)
+        explicit is not None
         and same_host_only(explicit)
         and ray.placement not in (None, "strict_pack")
     ):

@@ -1,9 +1,14 @@
-"""Spec files: :func:`load_toml`, the one loader of ``afd launch`` spec files, and
-:func:`spec_kwargs`, a mapping (a parsed file) turned into the spec's keyword arguments.
-The spec itself, and its checks, are :mod:`afd.launch.spec`."""
+"""Spec files: :func:`load_toml`, the one loader of ``afd launch`` spec files,
+:func:`spec_kwargs`, a mapping (a parsed file) turned into the spec's keyword arguments,
+and the way back: :func:`spec_mapping` (a spec as a file's mapping) and
+:func:`dump_toml` (a mapping as TOML). The spec itself, and its checks, are
+:mod:`afd.launch.spec`."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -14,7 +19,7 @@ from afd.launch.checks import resolve_model, unknown_key
 from afd.launch.errors import SpecError
 from afd_core.roles import AFDRole
 
-__all__ = ["load_toml", "spec_kwargs"]
+__all__ = ["dump_toml", "load_toml", "spec_kwargs", "spec_mapping"]
 
 
 def spec_kwargs(data: Mapping[str, Any], names: list[str], base_dir: Path | None) -> dict[str, Any]:
@@ -55,3 +60,73 @@ def load_toml(path: str | os.PathLike[str]) -> tuple[dict[str, Any], Path]:
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{p}: not valid TOML: {exc}") from None
     return data, p.resolve().parent
+
+
+def _plain(value: Any) -> Any:
+    """A spec value as a file holds it: a table (dataclass) as the mapping of its fields
+    that differ from their defaults."""
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return value
+    defaults = type(value)()
+    out = {}
+    for f in dataclasses.fields(value):
+        v, d = _plain(getattr(value, f.name)), _plain(getattr(defaults, f.name))
+        if v != d and v not in ({}, None):
+            out[f.name] = v
+    return out
+
+
+def spec_mapping(spec: Any, defaults: Any, afd_fields: Mapping[str, str]) -> dict[str, Any]:
+    """``spec`` (a :class:`~afd.launch.spec.DeploymentSpec`) as a spec file's mapping:
+    the keys that differ from ``defaults`` (a spec of the same model), the top-level AFD
+    keys (``afd_fields``: spec key -> AFDConfig field) under the spec's names, and
+    ``[afd]`` with the other settings that differ from afd-core's defaults (the
+    connector only where the spec named one)."""
+    out: dict[str, Any] = {"model": spec.model}
+    for key in afd_fields:
+        if getattr(spec, key) != getattr(defaults, key):
+            out[key] = getattr(spec, key)
+    for f in dataclasses.fields(spec):
+        if f.name in ("model", "afd", "connector_auto"):
+            continue
+        value = _plain(getattr(spec, f.name))
+        if value != _plain(getattr(defaults, f.name)) and value not in ({}, None):
+            out[f.name] = value
+    afd = spec.afd.to_section()
+    for key in ("role", "connector", *afd_fields.values()):
+        afd.pop(key, None)
+    if not spec.connector_auto:
+        afd["connector"] = spec.afd.connector
+    if afd:
+        out["afd"] = afd
+    return out
+
+
+def _toml_value(where: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(where, v) for v in value) + "]"
+    raise SpecError(f"{where}: cannot write {value!r} ({type(value).__name__}) as TOML")
+
+
+def dump_toml(data: Mapping[str, Any], _prefix: str = "") -> str:
+    """``data`` (str keys; values: str, int, float, bool, lists of them, tables) as TOML
+    text: :func:`load_toml` of it gives ``data`` back."""
+    lines: list[str] = []
+    tables: list[tuple[str, Mapping[str, Any]]] = []
+    for key, value in data.items():
+        name = key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
+        if isinstance(value, Mapping):
+            tables.append((f"{_prefix}{name}", value))
+        elif value is not None:
+            lines.append(f"{name} = {_toml_value(_prefix + key, value)}")
+    for name, table in tables:
+        lines += ["", f"[{name}]", dump_toml(table, f"{name}.").rstrip("\n")]
+    return "\n".join(lines).strip("\n") + "\n"

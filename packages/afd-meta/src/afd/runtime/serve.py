@@ -16,6 +16,7 @@ match), with one log line saying why; otherwise the server's own code.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from afd.runtime.plugin import afd_alias_of
-from afd_core.config import AFDConfig
+from afd_core.config import AFDConfig, additional_config_json
 from afd_core.errors import AFDConfigError
 from afd_core.lifecycle import EXIT_REASON_ENV, read_exit_reasons
 from afd_core.procfs import descendants
@@ -102,28 +103,20 @@ def prepare_role(role: str, model: str, rest: list[str]) -> tuple[AFDConfig, lis
     (:meth:`AFDConfig.to_section`), with the AFD architecture selected."""
     args = list(rest)
     additional = _json_option(args, "--additional-config")
-    afd_section = AFDConfig.canonical(additional.get("afd") or {})  # aliases resolved
-    given_role = afd_section.get("role")
-    if given_role is not None and given_role != role:
-        raise AFDConfigError(
-            f"--role {role} conflicts with afd.role={given_role!r} in --additional-config"
-        )
-    afd_section["role"] = role
+    # parsed here, once (aliases resolved, the role checked against --role): fail with
+    # the CLI's error, not deep in a worker
+    afd = AFDConfig.from_additional_config(additional, role=role, role_from="--role")
     if "--ffn-expert-parallel" in args:
         # afd's own switch: additional_config["afd"]["ffn_expert_parallel"] = true
         args.remove("--ffn-expert-parallel")
-        afd_section["ffn_expert_parallel"] = True
-    # parsed here, once: fail with the CLI's error, not deep in a worker; the roles get
-    # canonical keys (afd_core.config.afd_config_of reads them)
-    afd = AFDConfig.parse(afd_section)
-    additional["afd"] = afd.to_section()
+        afd = dataclasses.replace(afd, ffn_expert_parallel=True)
     hf_overrides = _json_option(args, "--hf-overrides")
     hf_overrides["architectures"] = [afd_architecture(model, hf_overrides)]
     return afd, [
         "--model",
         model,
         "--additional-config",
-        json.dumps(additional),
+        additional_config_json(afd, additional),
         "--hf-overrides",
         json.dumps(hf_overrides),
         *args,

@@ -48,14 +48,13 @@ from afd.tools import bench_metrics
 from afd.tools.bench_load import percentile, run_level
 from afd.tools.bench_plan import (
     EAGER_SUFFIX,
-    MODES,
     NATIVE_CONFIGS,
     _afd_run_name,
-    _parse_modes,
     _plan_runs,
     _profile_dir_of,
     add_bench_arguments,
     native_config_cpus,
+    parse_bench_args,
     parse_micro_batches,
 )
 from afd.tools.bench_report import (
@@ -80,6 +79,7 @@ __all__ = [
     "add_bench_arguments",
     "format_table",
     "native_config_cpus",
+    "parse_micro_batches",
     "percentile",
     "pick_native_reference",
     "run_bench",
@@ -92,33 +92,13 @@ def run_bench(args: Any) -> int:
     from afd.tools.reference import FIXED_PROMPTS
 
     try:
-        levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
-        modes = [m.strip() for m in str(args.modes).split(",") if m.strip()]
-        if not levels or min(levels) < 1:
-            raise ValueError("concurrency levels must be ints >= 1")
-        bad = [m for m in modes if m not in MODES]
-        if bad or not modes:
-            raise ValueError(f"modes: expected some of {', '.join(MODES)}, got {args.modes!r}")
-        micro_batches = parse_micro_batches(args.micro_batches)
-        if args.output_len < 2:
-            raise ValueError("--output-len must be >= 2 (TPOT needs two tokens)")
-        repeat = int(getattr(args, "repeat", 1))
-        if repeat < 1:
-            raise ValueError(f"--repeat must be >= 1, got {repeat}")
-        if repeat > 1 and getattr(args, "profile", False):
-            raise ValueError("--profile records one run of each deployment; use --repeat 1")
-        native_modes = _parse_modes("--native-modes", getattr(args, "native_modes", "compiled"))
-        afd_modes = _parse_modes("--afd-modes", getattr(args, "afd_modes", "compiled"))
-        native_configs = [c.strip() for c in str(args.native_configs).split(",") if c.strip()]
-        bad = [c for c in native_configs if c not in NATIVE_CONFIGS]
-        if "native" in modes and (bad or not native_configs):
-            raise ValueError(
-                f"native-configs: expected some of {', '.join(NATIVE_CONFIGS)}, "
-                f"got {args.native_configs!r}"
-            )
+        checked = parse_bench_args(args)
     except ValueError as exc:
         print(f"afd bench: {exc}", file=sys.stderr)
         return 2
+
+    levels, modes, micro_batches, repeat = checked[:4]
+    native_modes, afd_modes, native_configs = checked[4:]
 
     def say(msg: str) -> None:
         print(f"[bench] {msg}", flush=True)
@@ -201,7 +181,7 @@ def run_bench(args: Any) -> int:
                     log_dir=None if args.log_dir is None else str(Path(args.log_dir) / sub),
                 )
                 is_afd = run.startswith("afd")
-                m = int(spec.afd.get("num_micro_batches", 1))
+                m = spec.afd.num_micro_batches
                 # the profile records the runs of AFD's first compile mode
                 profiled = is_afd and spec.enforce_eager == (afd_modes[0] == "eager")
                 if profiled and profile_dir is not None:
@@ -284,7 +264,7 @@ def run_bench(args: Any) -> int:
         res = median_levels(by_run[run], levels)
         if run.startswith("afd"):
             mode = "eager" if spec.enforce_eager else "compiled"
-            afd_by_mode.setdefault(mode, {})[int(spec.afd.get("num_micro_batches", 1))] = res
+            afd_by_mode.setdefault(mode, {})[spec.afd.num_micro_batches] = res
         else:
             native_runs[run.split("/", 1)[1]] = res
     native_reference: dict[str, str] = {}
@@ -302,8 +282,8 @@ def run_bench(args: Any) -> int:
         best, best_m = pick_native_reference(
             {str(m): res for m, res in by_m.items()}, levels, key="num_micro_batches"
         )
-        for lv in best.values():
-            lv["num_micro_batches"] = int(lv["num_micro_batches"])
+        for c, lv in best.items():  # the m picked at each level, as a number
+            lv["num_micro_batches"] = int(best_m[c])
         afd_modes_report[mode] = {
             "results": best,
             "ratio_over_native": _ratios({**results, "afd": best}, levels),
@@ -334,7 +314,7 @@ def run_bench(args: Any) -> int:
             "ffn_expert_parallel": base.ffn_expert_parallel,
             "connector": base.connector,
             "num_micro_batches": micro_batches,
-            "micro_batch_min_tokens": int(base.afd.get("micro_batch_min_tokens", 0)),
+            "micro_batch_min_tokens": base.afd.micro_batch_min_tokens,
             "thread_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
             "attention_cpus": args.attention_cpus,
             "ffn_cpus": args.ffn_cpus,

@@ -4,9 +4,10 @@ and compile mode, then ``afd`` or ``afd/m<M>`` per AFD mode)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from afd.launch import DeploymentSpec, RoleOverrides, add_cpu_arguments, format_cpu_list
 
@@ -15,8 +16,10 @@ __all__ = [
     "EAGER_SUFFIX",
     "MODES",
     "NATIVE_CONFIGS",
+    "BenchArgs",
     "add_bench_arguments",
     "native_config_cpus",
+    "parse_bench_args",
     "parse_micro_batches",
 ]
 
@@ -158,6 +161,48 @@ def parse_micro_batches(value: str | int) -> list[int]:
     return out
 
 
+class BenchArgs(NamedTuple):
+    """``afd bench``'s flags, checked (:func:`parse_bench_args`)."""
+
+    levels: list[int]
+    modes: list[str]
+    micro_batches: list[int]
+    repeat: int
+    native_modes: list[str]
+    afd_modes: list[str]
+    native_configs: list[str]
+
+
+def parse_bench_args(args: Any) -> BenchArgs:
+    """The flags of ``afd bench`` that shape its runs, checked: a one-line
+    :class:`ValueError` naming the flag otherwise."""
+    levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+    modes = [m.strip() for m in str(args.modes).split(",") if m.strip()]
+    if not levels or min(levels) < 1:
+        raise ValueError("concurrency levels must be ints >= 1")
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"modes: expected some of {', '.join(MODES)}, got {args.modes!r}")
+    micro_batches = parse_micro_batches(args.micro_batches)
+    if args.output_len < 2:
+        raise ValueError("--output-len must be >= 2 (TPOT needs two tokens)")
+    repeat = int(getattr(args, "repeat", 1))
+    if repeat < 1:
+        raise ValueError(f"--repeat must be >= 1, got {repeat}")
+    if repeat > 1 and getattr(args, "profile", False):
+        raise ValueError("--profile records one run of each deployment; use --repeat 1")
+    native_modes = _parse_modes("--native-modes", getattr(args, "native_modes", "compiled"))
+    afd_modes = _parse_modes("--afd-modes", getattr(args, "afd_modes", "compiled"))
+    native_configs = [c.strip() for c in str(args.native_configs).split(",") if c.strip()]
+    bad = [c for c in native_configs if c not in NATIVE_CONFIGS]
+    if "native" in modes and (bad or not native_configs):
+        raise ValueError(
+            f"native-configs: expected some of {', '.join(NATIVE_CONFIGS)}, "
+            f"got {args.native_configs!r}"
+        )
+    return BenchArgs(levels, modes, micro_batches, repeat, native_modes, afd_modes, native_configs)
+
+
 def _afd_run_name(m: int, micro_batches: Sequence[int]) -> str:
     return "afd" if len(micro_batches) == 1 else f"afd/m{m}"
 
@@ -186,9 +231,7 @@ def _plan_runs(
             for compile_mode in afd_modes:
                 eager = compile_mode == "eager"
                 for m in micro_batches:
-                    afd = {k: v for k, v in base.afd.items() if k != "num_micro_batches"}
-                    if m > 1:
-                        afd["num_micro_batches"] = m
+                    afd = dataclasses.replace(base.afd, num_micro_batches=m)
                     name = _afd_run_name(m, micro_batches) + (EAGER_SUFFIX if eager else "")
                     runs.append((name, base.replace(afd=afd, enforce_eager=eager)))
             continue
