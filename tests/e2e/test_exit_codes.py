@@ -17,7 +17,6 @@ import json
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +31,20 @@ from afd_processes import (
     settled_metric_samples,
 )
 
+from afd.tools.client import stream_chunks
+
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
 
 def _start(
-    model: Path, tmp: Path, *ffn_extra: str, ffn_env: dict[str, str] | None = None
+    model: Path,
+    tmp: Path,
+    *,
+    health_port: int | None = None,
+    ffn_env: dict[str, str] | None = None,
 ) -> tuple[FFNServer, Server]:
     afd = afd_settings("ffn", transfer_timeout_s=60)
-    ffn = FFNServer(model, {**afd, "role": "ffn"}, tmp, *ffn_extra, env=ffn_env)
+    ffn = FFNServer(model, {**afd, "role": "ffn"}, tmp, env=ffn_env, health_port=health_port)
     attention = Server.afd_attention(model, {**afd, "role": "attention"}, tmp)
     ffn.wait_ready()
     attention.wait_ready()
@@ -59,34 +64,22 @@ class _Stream(threading.Thread):
         self.error: str | None = None
 
     def run(self) -> None:
-        body = {
-            "model": self.server.served_model,
-            "prompt": "The quick brown fox",
-            "max_tokens": 400,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.server.port}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
         try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                for raw in resp:
-                    line = raw.strip()
-                    if not line.startswith(b"data:") or line == b"data: [DONE]":
-                        continue
-                    obj: dict[str, Any] = json.loads(line[5:])
-                    if "error" in obj:
-                        self.error = str(obj["error"])
-                        break
-                    self.chunks += 1
-                    self.first.set()
-                    reason = obj["choices"][0].get("finish_reason")
-                    if reason:
-                        self.finish_reason = reason
+            for obj in stream_chunks(
+                self.server.url,
+                self.server.served_model,
+                "The quick brown fox",
+                400,
+                timeout=120,
+            ):
+                if "error" in obj:
+                    self.error = str(obj["error"])
+                    break
+                self.chunks += 1
+                self.first.set()
+                reason = obj["choices"][0].get("finish_reason")
+                if reason:
+                    self.finish_reason = reason
         except Exception as exc:  # connection reset / closed: the error the client sees
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -141,9 +134,9 @@ def test_attention_killed_makes_the_ffn_server_exit_1(
     watch = HealthWatch(f"{ffn_url}/health")
     watch.start()
     ffn, attention = _start(
-        model, tmp_path, "--health-port", str(health_port), ffn_env={"AFD_FFN_LINGER_S": "3"}
+        model, tmp_path, health_port=health_port, ffn_env={"AFD_FFN_LINGER_S": "3"}
     )
-    attn_url = f"http://127.0.0.1:{attention.port}"
+    attn_url = attention.url
     try:
         # Both roles are ready: the FFN server serves (the poller may lag on a busy host).
         assert watch.wait_for((200, "serving 1 attention peer(s)")), watch.changes

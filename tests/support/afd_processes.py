@@ -1,15 +1,22 @@
 """Helpers for end-to-end tests: role processes, engines in subprocesses, shared flows.
 
-Every process a test starts is supervised by afd launch's own stack
-(:mod:`afd.launch.processes`: process group, output pump and log file, readiness,
-SIGTERM-then-SIGKILL teardown with a leftover check); this module only builds the
-commands a test needs (raw ``additional_config`` as a user passes it to ``afd serve``,
-mismatched roles for the admission drills) and adds waiting and text output on top.
+A deployment a test starts is built as ``afd launch`` builds one: the test's ``afd``
+section (raw, as a user passes it to ``afd serve``; aliases allowed) becomes a
+:class:`afd.launch.DeploymentSpec` (:func:`deployment_spec`), and afd launch's command
+builder (:func:`afd.launch.commands.build_roles`, with a :class:`~afd.launch.commands.Layout`
+of free ports and the role's devices) makes each role's command and environment. A test
+starts one role of it at a time (:class:`FFNServer`, :class:`Server`), so it can start
+roles that do not match (the admission and fingerprint drills) or kill one. Every
+process is supervised by afd launch's own stack (:mod:`afd.launch.processes`: process
+group, output pump and log file, readiness, SIGTERM-then-SIGKILL teardown with a
+leftover check); requests go through :mod:`afd.tools.client`. This module adds waiting
+and text output on top.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -19,19 +26,41 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from afd.launch import DeploymentSpec, assign_devices, detect_cuda_devices, role_tmp_dir
+from afd.launch import role_env as launch_role_env
+from afd.launch.commands import Layout, build_roles
 from afd.launch.processes import RoleProcess as LaunchedRole
 from afd.launch.processes import stop_groups
-from afd.launch.readiness import NATIVE
-from afd.runtime.ffn_server import READY_MARKER
+from afd.launch.readiness import FFN, NATIVE
+from afd_core.config import AFDConfig
 from afd_core.procfs import group_members
+from afd_core.roles import AFDRole
 
 _SERIAL = itertools.count()
 """Numbers the log files of the role processes a test starts (names repeat)."""
 
-ENGINE_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.1"]
+#: The context length of every engine a test starts (the spec's ``max_model_len``); the
+#: rest of the engine settings are afd launch's defaults (bfloat16, 0.1 of a GPU's
+#: memory, a 64 MiB KV cache), eager unless a test asks for compiled roles.
+MAX_MODEL_LEN = 512
+
+#: ``[afd]`` fields a spec takes as its own top-level fields (field -> spec keyword).
+_SPEC_FIELDS = {
+    "num_attention_ranks": "num_attention",
+    "num_ffn_ranks": "num_ffn",
+    "attention_tensor_parallel_size": "attention_tensor_parallel_size",
+    "ffn_expert_parallel": "ffn_expert_parallel",
+    "compute_gate_on_attention": "compute_gate_on_attention",
+}
+#: ``[afd]`` fields the launcher sets per role process (the command builder's).
+_PER_PROCESS = ("role", "rank", "host", "port")
+#: ``afd serve``'s connector where the ``afd`` section names none (afd-core's default;
+#: ``afd launch`` would pick shared memory on this host instead).
+SERVE_DEFAULT_CONNECTOR = str(AFDConfig.__dataclass_fields__["connector"].default)
 
 
 def free_port() -> int:
@@ -97,40 +126,149 @@ def child_environ() -> dict[str, str]:
     return env
 
 
-def role_env(tmp: Path, devices: str | None = None) -> dict[str, str]:
-    """A role's environment; ``devices``: its ``CUDA_VISIBLE_DEVICES`` (None: unchanged)."""
-    from afd.launch import role_tmp_dir
-
-    # pytest's tmp paths can be too long for vLLM's IPC socket names.
-    env = {**child_environ(), "TMPDIR": str(role_tmp_dir(tmp)), "PYTHONUNBUFFERED": "1"}
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    # vLLM's V1 model runner, as afd serve sets it (docs/gpu.md, "Model runner: V1 only"):
-    # an Attention role started as vllm.LLM on CUDA would otherwise be refused (V2 there)
+def _base_env() -> dict[str, str]:
+    """What a role's environment starts from (afd launch's :class:`Layout` ``base_env``):
+    :func:`child_environ`, with vLLM's V1 model runner as ``afd serve`` sets it
+    (docs/gpu.md, "Model runner: V1 only"): an Attention role started as vllm.LLM on
+    CUDA would otherwise be refused (V2 there)."""
+    env = child_environ()
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    if devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = devices
     return env
 
 
-def role_devices(afd: dict[str, Any] | None, name: str) -> str | None:
+@functools.cache
+def _plain_spec() -> DeploymentSpec:
+    """A spec with no settings of its own: the environment of a process that is no
+    deployment's role (``python -m afd.reference``, a helper script)."""
+    return DeploymentSpec(model="-", afd={"connector": SERVE_DEFAULT_CONNECTOR})
+
+
+def role_env(tmp: Path, devices: str | None = None) -> dict[str, str]:
+    """A role's environment, as afd launch gives it (:func:`afd.launch.role_env`: the
+    deployment's ``TMPDIR``, unbuffered output, no ``VLLM_CPU_KVCACHE_SPACE``);
+    ``devices``: its ``CUDA_VISIBLE_DEVICES`` (None: unchanged)."""
+    # pytest's tmp paths can be too long for vLLM's IPC socket names: role_tmp_dir.
+    return launch_role_env(
+        _plain_spec(), AFDRole.ATTENTION, role_tmp_dir(tmp), devices, base=_base_env()
+    )
+
+
+def role_devices(afd: Mapping[str, Any] | None, name: str) -> str | None:
     """``CUDA_VISIBLE_DEVICES`` of one role process, by the rule of ``afd launch``
     (attention ranks first, then FFN ranks; see docs/gpu.md): ``name`` is ``attn`` or
     ``ffn<rank>``; ``afd=None`` is a native engine (the first device). None on a CPU host.
     Raises ``afd.launch.DeploymentError`` when the host has too few devices."""
-    from afd.launch import assign_devices, detect_cuda_devices
+    values = AFDConfig.canonical(afd or {})
+    ranks = (1, 0) if afd is None else (
+        int(values.get("num_attention_ranks", 1)), int(values.get("num_ffn_ranks", 1))
+    )  # fmt: skip
+    return assign_devices(*ranks, detect_cuda_devices()).get(name)
 
-    visible = detect_cuda_devices()
-    if afd is None:
-        return assign_devices(1, 0, visible).get("attn")
-    ranks = int(afd.get("num_attention_ranks", 1)), int(afd.get("num_ffn_ranks", 1))
-    return assign_devices(*ranks, visible).get(name)
+
+#: vLLM options a test may pass as a role's extra arguments that afd launch sets itself
+#: (option -> the spec field that sets it).
+_SPEC_OPTIONS = {
+    "--dtype": "dtype",
+    "--tensor-parallel-size": "attention_tensor_parallel_size",
+    "-tp": "attention_tensor_parallel_size",
+}
+
+
+def _spec_fields_of(args: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """``(spec fields, the other args)``: the options of :data:`_SPEC_OPTIONS` in a
+    role's extra vLLM arguments become the spec's fields (``--dtype float32``:
+    ``dtype="float32"``), as afd launch wants them."""
+    fields: dict[str, Any] = {}
+    rest: list[str] = []
+    items = iter(args)
+    for arg in items:
+        opt, sep, value = arg.partition("=")
+        if opt not in _SPEC_OPTIONS:
+            rest.append(arg)
+            continue
+        value = value if sep else next(items)
+        field = _SPEC_OPTIONS[opt]
+        fields[field] = value if field == "dtype" else int(value)
+    return fields, rest
+
+
+def deployment_spec(
+    model: Path | str,
+    afd: Mapping[str, Any] | None,
+    *,
+    eager: bool = True,
+    native: bool = False,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> tuple[DeploymentSpec, dict[str, Any]]:
+    """``(the spec, the per-process settings)`` of a test's ``afd`` section: its
+    deployment fields (``num_attention_ranks``...) become the spec's top-level fields,
+    its ``role`` / ``rank`` / ``host`` / ``port`` are returned apart (the command builder
+    sets them per process), the rest is the spec's ``[afd]`` table, with ``afd serve``'s
+    default connector where it names none. ``args``: extra vLLM arguments of the roles
+    (``--dtype`` and ``--tensor-parallel-size`` become the spec's fields); ``env``:
+    added to the roles' environment. A test builds one spec per role it starts, so two
+    roles of one deployment may differ (the fingerprint drills)."""
+    values = AFDConfig.canonical(afd or {})
+    per_process = {k: values.pop(k) for k in _PER_PROCESS if k in values}
+    fields = {key: values.pop(f) for f, key in _SPEC_FIELDS.items() if f in values}
+    lifted, rest = _spec_fields_of(args)
+    fields.update(lifted)
+    if not native:
+        values.setdefault("connector", SERVE_DEFAULT_CONNECTOR)
+    spec = DeploymentSpec(
+        model=str(model),
+        afd=values,
+        enforce_eager=eager,
+        max_model_len=MAX_MODEL_LEN,
+        native=native,
+        vllm_args=rest,
+        env=dict(env or {}),
+        **fields,
+    )
+    return spec, per_process
+
+
+def built_role(
+    spec: DeploymentSpec,
+    tmp: Path,
+    name: str,
+    *,
+    connector_port: int = 0,
+    http_port: int = 0,
+    health_ports: Sequence[int] = (),
+) -> LaunchedRole:
+    """The role process ``name`` (``attn``, ``ffn<rank>`` or ``native0``) of ``spec`` as
+    afd launch's command builder makes it (not started): its command, environment (from
+    :func:`child_environ`, its devices by afd launch's rule, no CPU binding of its own)
+    and URLs."""
+    ranks = (1, 0) if spec.native else (spec.num_attention, spec.num_ffn)
+    devices = assign_devices(*ranks, detect_cuda_devices())
+    if spec.native and "attn" in devices:
+        devices["native0"] = devices["attn"]
+    layout = Layout(
+        http_port=http_port,
+        connector_port=connector_port,
+        ffn_health_ports=list(health_ports) or [0] * spec.num_ffn,
+        devices=devices,
+        cpus={},
+        tmp_dir=role_tmp_dir(tmp),
+        log_dir=tmp / "logs",
+        base_env=_base_env(),
+    )
+    roles = {r.name: r for r in build_roles(spec, layout)}
+    return roles[name]
 
 
 class RoleProcess(LaunchedRole):
     """One role process, supervised as ``afd launch`` supervises its roles
     (:class:`afd.launch.processes.RoleProcess`: its own process group, an output pump into
     a log file, readiness from its health endpoint, group signals), started at once; what
-    tests add on top: the whole output as text, waiting and killing."""
+    tests add on top: the whole output as text, waiting and killing.
+
+    Built from any command (``env``: added to :func:`role_env`); the AFD roles of a
+    deployment are built by afd launch's command builder (:class:`FFNServer`,
+    :class:`Server`)."""
 
     _lock = threading.Lock()
 
@@ -145,9 +283,17 @@ class RoleProcess(LaunchedRole):
         *,
         http_url: str | None = None,
     ) -> None:
-        log = tmp / "logs" / f"{name}-{next(_SERIAL)}.log"
         full = {**role_env(tmp, devices), **(env or {})}
-        super().__init__(name, role, 0, cmd, full, log, http_url=http_url)
+        self._launch(LaunchedRole(name, role, 0, cmd, full, tmp, http_url=http_url), tmp)
+
+    def _launch(self, built: LaunchedRole, tmp: Path) -> None:
+        """Become ``built`` (command, environment, URLs) and start, logging to a file of
+        its own (a test may start a role of the same name more than once)."""
+        log = tmp / "logs" / f"{built.name}-{next(_SERIAL)}.log"
+        LaunchedRole.__init__(
+            self, built.name, built.role, built.rank, built.cmd, built.env, log,
+            http_url=built.http_url, health_url=built.health_url,
+        )  # fmt: skip
         self.start(None, self._lock)
 
     @property
@@ -172,9 +318,23 @@ class RoleProcess(LaunchedRole):
         except subprocess.TimeoutExpired:
             return None
 
+    def wait_until(self, ready: Callable[[], bool], timeout: float, what: str, tail: int) -> None:
+        """Until ``ready()``; AssertionError with the last ``tail`` characters of the
+        output when the process exits first or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ready():
+                return
+            if self.returncode() is not None:
+                self.join_output(2.0)
+                raise AssertionError(f"{what} exited {self.returncode()}:\n{self.output[-tail:]}")
+            time.sleep(0.2)
+        raise AssertionError(f"{what} not ready in {timeout} s:\n{self.output[-tail:]}")
+
 
 class FFNServer(RoleProcess):
-    """``afd serve --role ffn`` (headless FFN role)."""
+    """``afd serve --role ffn`` (headless FFN role) of rank ``afd["rank"]`` (default 0),
+    as afd launch's command builder starts it."""
 
     def __init__(
         self,
@@ -184,42 +344,32 @@ class FFNServer(RoleProcess):
         *extra: str,
         env: dict[str, str] | None = None,
         eager: bool = True,
+        health_port: int | None = None,
     ) -> None:
-        """``eager=False``: the engine settings of a compiled deployment (the FFN role
+        """``extra``: vLLM arguments after the spec's; ``env``: added to its environment;
+        ``eager=False``: the engine settings of a compiled deployment (the FFN role
         computes its blocks eagerly either way, but with the custom-op choices of
-        vLLM's compile mode, as its compiled Attention peer and native vLLM do)."""
-        cmd = [
-            sys.executable,
-            "-m",
-            "afd.cli",
-            "serve",
-            "--role",
-            "ffn",
-            str(model),
-            *(ENGINE_ARGS if eager else [a for a in ENGINE_ARGS if a != "--enforce-eager"]),
-            "--max-model-len",
-            "512",
-            "--additional-config",
-            json.dumps({"afd": afd}),
-            *extra,
-        ]
-        name = f"ffn{int(afd.get('rank', 0))}"
-        super().__init__(name, "ffn", cmd, tmp, role_devices(afd, name), env)
+        vLLM's compile mode, as its compiled Attention peer and native vLLM do);
+        ``health_port``: its ``/health`` and ``/metrics`` port (default: a free one)."""
+        spec, own = deployment_spec(model, afd, eager=eager, args=extra, env=env)
+        rank = int(own.get("rank", 0))
+        self.health_port = free_port() if health_port is None else health_port
+        ports = [self.health_port if f == rank else free_port() for f in range(spec.num_ffn)]
+        built = built_role(
+            spec, tmp, f"ffn{rank}", connector_port=int(own.get("port", 0)), health_ports=ports
+        )
+        self._launch(built, tmp)
 
     def wait_ready(self, timeout: float = 240) -> None:
         """Until the FFN server loaded its model and listens for its attention peers (it
-        logs READY_MARKER; its ``/health`` turns 200 only once they connected)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(READY_MARKER in ln for ln in self.last_lines(200)):
-                return
-            if self.returncode() is not None:
-                self.join_output(2.0)
-                raise AssertionError(
-                    f"FFN server exited {self.returncode()}:\n{self.output[-4000:]}"
-                )
-            time.sleep(0.2)
-        raise AssertionError(f"FFN server not ready in {timeout} s:\n{self.output[-4000:]}")
+        logs its readiness marker; its ``/health`` turns 200 only once they connected)."""
+        marker = FFN.marker
+        assert marker is not None
+
+        def loaded() -> bool:
+            return any(marker in ln for ln in self.last_lines(200))
+
+        self.wait_until(loaded, timeout, "FFN server", 4000)
 
 
 #: How long an engine run to its end or a server's start may take: under the 285 s
@@ -284,89 +434,52 @@ def run_to_exit(
 
 
 class Server(RoleProcess):
-    """An OpenAI-compatible vLLM API server (native, or ``afd serve --role attention``)."""
+    """An OpenAI-compatible vLLM API server (native, or ``afd serve --role attention``),
+    as afd launch's command builder starts it (:meth:`native`, :meth:`afd_attention`)."""
 
-    def __init__(
-        self, cmd: list[str], port: int, tmp: Path, devices: str | None = None, *, role: str
-    ) -> None:
+    def __init__(self, built: LaunchedRole, port: int, tmp: Path) -> None:
         self.port = port
-        url = f"http://127.0.0.1:{port}"
-        super().__init__("attn" if role == "attention" else role, role, cmd, tmp, devices,
-                         http_url=url)  # fmt: skip
+        self._launch(built, tmp)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     @classmethod
     def native(cls, model: Path, tmp: Path, *extra: str) -> Server:
+        """afd launch's native baseline server; ``extra``: vLLM arguments after the spec's."""
+        spec, _ = deployment_spec(model, None, native=True, args=extra)
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            *ENGINE_ARGS,
-            "--max-model-len",
-            "512",
-            "--kv-cache-memory-bytes",
-            str(64 << 20),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *extra,
-        ]
-        return cls(cmd, port, tmp, role_devices(None, "attn"), role=NATIVE)
+        return cls(built_role(spec, tmp, "native0", http_port=port), port, tmp)
 
     @classmethod
     def afd_attention(cls, model: Path, afd: dict[str, Any], tmp: Path, *extra: str) -> Server:
+        """afd launch's attention server (``--data-parallel-size`` for several attention
+        ranks); ``extra``: vLLM arguments after the spec's."""
+        spec, own = deployment_spec(model, afd, args=extra)
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "afd.cli",
-            "serve",
-            "--role",
-            "attention",
-            str(model),
-            *ENGINE_ARGS,
-            "--max-model-len",
-            "512",
-            "--kv-cache-memory-bytes",
-            str(64 << 20),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--additional-config",
-            json.dumps({"afd": afd}),
-            *extra,
-        ]
-        return cls(cmd, port, tmp, role_devices(afd, "attn"), role="attention")
+        built = built_role(
+            spec, tmp, "attn", connector_port=int(own.get("port", 0)), http_port=port
+        )
+        return cls(built, port, tmp)
 
     def wait_ready(self, timeout: float = ENGINE_S) -> None:
         """Until its ``/health`` answers 200 (afd launch's readiness of the role)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.returncode() is not None:
-                self.join_output(2.0)
-                raise AssertionError(f"server exited {self.returncode()}:\n{self.output[-30000:]}")
-            if self.check_ready():
-                return
-            time.sleep(1)
-        raise AssertionError(f"server not ready in {timeout} s:\n{self.output[-5000:]}")
+        self.wait_until(self.check_ready, timeout, "server", 30000)
 
     def complete(self, prompt: str, max_tokens: int = 32) -> list[int]:
         """Greedy completion of one prompt; the generated token ids."""
         from afd.tools.client import complete
 
-        url = f"http://127.0.0.1:{self.port}"
-        return complete(url, prompt, max_tokens, model=self.served_model, timeout=300).token_ids
+        return complete(
+            self.url, prompt, max_tokens, model=self.served_model, timeout=300
+        ).token_ids
 
     @property
     def served_model(self) -> str:
-        import urllib.request
+        from afd.tools.client import served_model
 
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=10) as r:
-            return str(json.load(r)["data"][0]["id"])
+        return served_model(self.url)
 
 
 def http_get(url: str, timeout: float = 10) -> tuple[int | None, str]:
@@ -535,10 +648,8 @@ def run_served_afd(
     must still be running; ``between(afd)``, when given, runs there too); then SIGTERM
     must stop every process within 10 s with exit code 0 and nothing left behind.
     Returns (token ids per prompt, attention log, FFN log)."""
-    ranks = int(afd.get("num_attention_ranks", 1))
-    dp = ["--data-parallel-size", str(ranks)] if ranks > 1 else []
     ffn = FFNServer(model, {**afd, "role": "ffn"}, tmp)
-    attention = Server.afd_attention(model, {**afd, "role": "attention"}, tmp, *dp)
+    attention = Server.afd_attention(model, {**afd, "role": "attention"}, tmp)
     try:
         ffn.wait_ready()
         attention.wait_ready()

@@ -50,8 +50,10 @@ class _Handler(BaseHTTPRequestHandler):
         for i in range(n):
             chunk = {"choices": [{"text": "x", "finish_reason": "length" if i == n - 1 else None}]}
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        usage = {"choices": [], "usage": {"completion_tokens": n}}
-        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        if body.get("stream_options", {}).get("include_usage"):
+            usage = {"choices": [], "usage": {"completion_tokens": n}}
+            self.wfile.write(f"data: {json.dumps(usage)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
 
 
 @pytest.fixture
@@ -105,6 +107,16 @@ def test_stream_completion_times_the_tokens(server: str) -> None:
     assert r.error is None and r.output_tokens == 5
     assert 0 <= r.ttft_s <= r.latency_s and r.tpot_s is not None
     assert _Handler.requests[-1]["stream"] is True
+
+
+def test_stream_chunks_yields_every_event_until_done(server: str) -> None:
+    chunks = list(client.stream_chunks(server, "tiny", "abc", 3))
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    sent = _Handler.requests[-1]
+    assert sent["stream"] is True and "stream_options" not in sent
+    with_usage = list(client.stream_chunks(server, "tiny", "abc", 2, include_usage=True))
+    assert with_usage[-1] == {"choices": [], "usage": {"completion_tokens": 2}}
+    assert _Handler.requests[-1]["stream_options"] == {"include_usage": True}
 
 
 def test_stream_completion_reports_a_refused_connection() -> None:

@@ -15,7 +15,7 @@ import math
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ __all__ = [
     "completion_response",
     "post_json",
     "served_model",
+    "stream_chunks",
     "stream_completion",
 ]
 
@@ -131,44 +132,62 @@ class RequestResult:
     error: str | None = None
 
 
-def stream_completion(
-    base_url: str, model: str, prompt: str, max_tokens: int, timeout: float = 600.0
-) -> RequestResult:
-    """One streaming greedy completion; token timing from the server-sent events."""
-    payload = {
-        **_greedy_payload(model, prompt, max_tokens),
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+def stream_chunks(
+    base_url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    timeout: float = 600.0,
+    include_usage: bool = False,
+) -> Iterator[dict[str, Any]]:
+    """One streaming greedy completion: every server-sent event's JSON object, in order,
+    until ``[DONE]`` (``include_usage``: the last one carries ``usage`` and no choice).
+    Transport errors (a reset connection, a timeout) and HTTP errors raise as
+    ``urllib`` raises them; an error the server sends in the stream is an object with
+    an ``error`` key."""
+    payload: dict[str, Any] = {**_greedy_payload(model, prompt, max_tokens), "stream": True}
+    if include_usage:
+        payload["stream_options"] = {"include_usage": True}
     req = urllib.request.Request(
         f"{base_url}/v1/completions",
         data=json.dumps(payload).encode(),
         headers={"Content-Type": "application/json"},
     )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            yield dict(json.loads(data))
+
+
+def stream_completion(
+    base_url: str, model: str, prompt: str, max_tokens: int, timeout: float = 600.0
+) -> RequestResult:
+    """One streaming greedy completion (:func:`stream_chunks`); token timing from the
+    server-sent events."""
     t0 = time.perf_counter()
     first = None
     chunks = 0
     usage_tokens = None
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            for raw in r:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
+        for obj in stream_chunks(
+            base_url, model, prompt, max_tokens, timeout=timeout, include_usage=True
+        ):
+            if obj.get("usage"):
+                usage_tokens = obj["usage"].get("completion_tokens")
+            if obj.get("choices") and obj["choices"][0].get("text") is not None:
+                now = time.perf_counter()
+                if obj["choices"][0].get("text") == "" and not obj["choices"][0].get(
+                    "finish_reason"
+                ):
                     continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                obj = json.loads(data)
-                if obj.get("usage"):
-                    usage_tokens = obj["usage"].get("completion_tokens")
-                if obj.get("choices") and obj["choices"][0].get("text") is not None:
-                    now = time.perf_counter()
-                    if obj["choices"][0].get("text") == "" and not obj["choices"][0].get(
-                        "finish_reason"
-                    ):
-                        continue
-                    first = first if first is not None else now
-                    chunks += 1
+                first = first if first is not None else now
+                chunks += 1
     except Exception as exc:
         end = time.perf_counter()
         return RequestResult(math.nan, None, end - t0, 0, f"{type(exc).__name__}: {exc}")
