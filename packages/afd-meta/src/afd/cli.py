@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     conn.set_defaults(func=_cmd_connectors)
 
     from afd.launch import add_launch_arguments
+    from afd.plan.cli import add_plan_arguments, run_plan
     from afd.tools.bench import add_bench_arguments
     from afd.tools.demo import add_demo_arguments
     from afd.tools.profile import add_profile_arguments, run_profile
@@ -188,6 +189,16 @@ def build_parser() -> argparse.ArgumentParser:
             "TTFT and TPOT (median, p99) and the AFD/native ratio; writes JSON + PNG.",
             add_bench_arguments,
             _cmd_bench,
+        ),
+        (
+            "plan",
+            "choose the Attention:FFN ratio, TP/EP sizes and micro-batches for a model",
+            "Search the layouts (attention ranks, attention TP, FFN ranks, FFN EP, "
+            "micro-batches, batch) of a model on a device with the performance model of "
+            "docs/plan.md; print the best plans and write the best as an afd launch spec. "
+            "--calibrate measures this host first.",
+            add_plan_arguments,
+            run_plan,
         ),
     ]
     for name, help_text, description, add_arguments, run in commands:

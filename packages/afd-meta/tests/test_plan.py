@@ -1,0 +1,328 @@
+"""``afd plan``'s performance model, search, spec and calibration fit (no engine started)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from afd.cli import main
+from afd.launch.errors import SpecError
+from afd.plan.calibrate import fit
+from afd.plan.hardware import PRESETS, Hardware, hardware_toml, load_hardware
+from afd.plan.model import Layout, Workload, experts_hit, predict
+from afd.plan.search import Constraints, search
+from afd.plan.shapes import load_shape, shape_from_config
+from afd.plan.spec import plan_toml, validate_toml
+
+# A small GQA MoE model and a device with round figures, so that the model's times can
+# be computed by hand (see test_hand_computed_*).
+SMALL = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 512,
+    "vocab_size": 1000,
+    "tie_word_embeddings": True,
+}
+# The bench-size Qwen3-MoE of `afd models tiny --arch qwen3_moe --size bench`.
+BENCH = {
+    **SMALL,
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 256,
+    "vocab_size": 882,
+    "tie_word_embeddings": False,
+}
+ROUND = Hardware(
+    name="round",
+    kind="gpu",
+    flops=1e12,
+    mem_bw=1e9,
+    mem_bytes=1e12,
+    link_bw=1e9,
+    link_latency_s=1e-5,
+    attention_flops_eff=1.0,
+    ffn_flops_eff=1.0,
+    bw_eff=1.0,
+    attention_layer_s=0.0,
+    ffn_layer_s=0.0,
+    exchange_s=0.0,
+    step_s=0.0,
+    reserve_bytes=0.0,
+)
+
+
+def test_small_shape_counts_match_the_config():
+    s = shape_from_config(SMALL)
+    # q, k, v: 1024 x 128 x (8 + 8 + 8); o: 8 x 128 x 1024
+    assert s.attention_params == 1024 * 128 * 24 + 8 * 128 * 1024 == 4_194_304
+    assert s.expert_params == 3 * 1024 * 512
+    assert (s.moe_layers, s.dense_layers, s.kv_elems_per_token) == (2, 0, 2 * 8 * 128)
+
+
+def test_experts_hit_by_hand():
+    # 8 experts, top-2, 2 tokens: 8 * (1 - (6/8)^2) = 3.5
+    assert experts_hit(2, 8, 2) == pytest.approx(3.5)
+    assert experts_hit(0, 8, 2) == 0.0
+    assert experts_hit(10_000, 8, 2) == pytest.approx(8.0)
+
+
+def test_hand_computed_one_token_1a1f():
+    s = shape_from_config(SMALL)
+    p = predict(s, ROUND, Layout(), Workload(batch=1, context=0))
+    # attention: 4_194_304 weights x 2 B at 1 GB/s (8.4 MFLOP at 1 TFLOP/s is less)
+    assert p.attention_s == pytest.approx(8.388608e-3)
+    # FFN: 8 * (1 - 6/8) = 2 experts of 1_572_864 weights + the 8192-weight router, x 2 B
+    assert p.ffn_s == pytest.approx((2 * 1_572_864 + 8192) * 2 / 1e9)
+    # one way: 10 us + one row of 1024 x 2 B at 1 GB/s
+    assert p.transfer_s == pytest.approx(1e-5 + 2048 / 1e9)
+    layer = 8.388608e-3 + 6.30784e-3 + 2 * 12.048e-6
+    assert p.layer_s == pytest.approx(layer)
+    # 2 layers + the (tied) LM head: 1000 x 1024 x 2 B
+    assert p.tpot_s == pytest.approx(2 * layer + 2.048e-3)
+    assert p.throughput_per_device == pytest.approx(1 / p.tpot_s / 2)
+
+
+def test_hand_computed_ping_pong_two_micro_batches():
+    s = shape_from_config(SMALL)
+    p = predict(s, ROUND, Layout(micro_batches=2), Workload(batch=2, context=0))
+    # each micro-batch: 1 token, the times of the one-token case; the attention's two
+    # blocks back to back (16.78 ms) are longer than one round trip (14.72 ms)
+    assert p.layer_s == pytest.approx(2 * 8.388608e-3)
+    assert p.bound == "attention"
+
+
+def test_hand_computed_kv_reads_grow_attention():
+    s = shape_from_config(SMALL)
+    short = predict(s, ROUND, Layout(), Workload(batch=1, context=0))
+    long = predict(s, ROUND, Layout(), Workload(batch=1, context=1000))
+    # 1000 cached tokens x 2048 KV elements x 2 B more to read per layer
+    assert long.attention_s - short.attention_s == pytest.approx(1000 * 2048 * 2 / 1e9)
+
+
+@pytest.mark.parametrize(
+    ("model", "hw", "layout"),
+    [
+        ("DeepSeek-V3", "H800-SXM", Layout(4, 4, 16, True, 2, True)),
+        ("Qwen3-235B-A22B", "H100-SXM", Layout(2, 2, 4, True, 3, True)),
+        ("Qwen3-30B-A3B", "cpu", Layout(2, 1, 1, False, 1)),
+        ("Qwen3-30B-A3B", "Ascend-A3", Layout(3, 1, 2, False, 2)),
+    ],
+)
+def test_tpot_and_memory_grow_with_batch(model, hw, layout):
+    shape, device = load_shape(model), load_hardware(hw)
+    last = None
+    for batch in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+        p = predict(shape, device, layout, Workload(batch=batch, context=4096))
+        if last is not None:
+            assert p.tpot_s >= last.tpot_s
+            assert p.mem_attention_bytes >= last.mem_attention_bytes
+            assert p.mem_ffn_bytes >= last.mem_ffn_bytes
+            assert p.attention_s >= last.attention_s and p.ffn_s >= last.ffn_s
+        last = p
+
+
+def test_memory_is_a_hard_constraint():
+    v3 = load_shape("DeepSeek-V3", weight_bytes=2.0)
+    h100 = load_hardware("H100-SXM")
+    # one FFN rank holding all 256 experts x 58 layers in bf16 (~1.3 TB) cannot fit
+    p = predict(v3, h100, Layout(1, 8, 1, False, 1), Workload(batch=8, context=4096))
+    assert not p.fits and p.why_not.startswith("FFN device")
+    # nor an attention rank whose KV cache outgrows the device
+    q = predict(v3, h100, Layout(1, 1, 32, True, 1, True), Workload(batch=512, context=65536))
+    assert not q.fits and q.why_not.startswith("attention device")
+    plans = search(v3, h100, Constraints(devices=48, context=4096))
+    assert plans
+    for plan in plans:
+        assert plan.mem_ffn_bytes <= plan.mem_limit_bytes
+        assert plan.mem_attention_bytes <= plan.mem_limit_bytes
+        assert plan.layout.devices <= 48
+    # bf16 experts need at least 1.3 TB / (80 GB x 0.9) FFN ranks
+    assert min(p.layout.num_ffn for p in plans) >= 18
+
+
+def test_tpot_target_is_met_and_binds():
+    v3, h800 = load_shape("DeepSeek-V3"), load_hardware("H800-SXM")
+    free = search(v3, h800, Constraints(devices=40, context=4096))
+    tight = search(v3, h800, Constraints(devices=40, context=4096, tpot_s=0.05))
+    assert all(p.tpot_s <= 0.05 for p in tight)
+    assert max(p.tpot_s for p in free) > 0.05
+    assert tight[0].throughput_per_device <= free[0].throughput_per_device
+
+
+def test_deepseek_v3_h800_plan_is_a_spec_the_launcher_accepts(tmp_path):
+    v3, h800 = load_shape("DeepSeek-V3"), load_hardware("H800-SXM")
+    best = search(v3, h800, Constraints(devices=32, context=4096, tpot_s=0.1))[0]
+    text = plan_toml(best, v3, h800, "deepseek-ai/DeepSeek-V3", 4096)
+    validate_toml(text)  # raises when refused
+    spec = tomllib.loads(text)
+    lay = best.layout
+    assert spec["num_attention"] == lay.num_attention
+    assert spec["attention_tensor_parallel_size"] == lay.attention_tp
+    assert spec["num_ffn"] == lay.num_ffn
+    assert spec["ffn_expert_parallel"] == lay.ffn_ep
+    assert spec["afd"]["num_micro_batches"] == lay.micro_batches
+    assert lay.devices <= 32
+
+
+def test_the_spec_check_refuses_what_the_launcher_refuses():
+    s = shape_from_config(SMALL)
+    bad = dataclasses.replace(predict(s, ROUND, Layout(), Workload(1, 16)), layout=Layout(1, 1, 2))
+    with pytest.raises(SpecError, match="num_ffn"):
+        validate_toml(plan_toml(bad, s, ROUND, "/models/x", 16))
+
+
+def test_cli_writes_the_best_plan(tmp_path, capsys):
+    out = tmp_path / "spec.toml"
+    rc = main(
+        [
+            "plan",
+            "--model",
+            "DeepSeek-V3",
+            "--hardware",
+            "H800-SXM",
+            "--tpot-ms",
+            "100",
+            "--devices",
+            "32",
+            "--context",
+            "4096",
+            "--out",
+            str(out),
+            "--top",
+            "3",
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "TPOT ms" in text and "tok/s/dev" in text
+    assert len([line for line in text.splitlines() if line[:2].strip() in "123"]) >= 3
+    assert tomllib.loads(out.read_text())["model"] == "deepseek-ai/DeepSeek-V3"
+
+
+def test_cli_pinned_layout_and_bad_input(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(BENCH))
+    rc = main(
+        [
+            "plan",
+            "--model",
+            str(tmp_path),
+            "--hardware",
+            "cpu",
+            "--num-attention",
+            "2",
+            "--num-ffn",
+            "1",
+            "--attention-tp",
+            "1",
+            "--micro-batches",
+            "1",
+            "--ffn-expert-parallel",
+            "false",
+            "--concurrency",
+            "8",
+            "--context",
+            "48",
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0 and "2A 1F m=1" in text and "4.0" in text
+    assert main(["plan", "--model", "DeepSeek-V3", "--hardware", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "afd plan: error: hardware 'nope'" in err and len(err.strip().splitlines()) == 1
+    assert main(["plan", "--model", str(tmp_path / "none"), "--hardware", "cpu"]) == 2
+
+
+def test_checkpoint_config_is_read(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    s = load_shape(str(tmp_path))
+    assert (s.hidden, s.experts, s.top_k) == (1024, 8, 2)
+
+
+def test_hardware_toml_round_trip_and_base(tmp_path):
+    path = tmp_path / "hw.toml"
+    path.write_text(hardware_toml(PRESETS["h100-sxm"]))
+    assert load_hardware(str(path)) == PRESETS["h100-sxm"]
+    path.write_text('base = "H100-SXM"\nname = "mine"\nmem_bytes = 1e9\n')
+    mine = load_hardware(str(path))
+    assert (mine.name, mine.mem_bytes, mine.flops) == ("mine", 1e9, PRESETS["h100-sxm"].flops)
+    path.write_text('base = "H100-SXM"\nflop = 1\n')
+    with pytest.raises(ValueError, match="unknown key"):
+        load_hardware(str(path))
+
+
+def _fake_calibration(tmp_path: Path, shape, hw: Hardware, context: float) -> Path:
+    """The files afd plan --calibrate's measurements write, from the model itself."""
+    levels = {}
+    for b in (1, 4, 16):
+        p = predict(shape, hw, Layout(), Workload(batch=b, context=context))
+        n = shape.layers
+        head = max(
+            2.0 * b * shape.vocab * shape.hidden / (hw.flops * hw.cores),
+            shape.vocab * shape.hidden * shape.weight_bytes / (hw.mem_bw * hw.bw_eff * hw.cores),
+        )
+        levels[str(b)] = {
+            "processes": [
+                {
+                    "role": "attention",
+                    "steps": 100,
+                    "exchanges_per_step": n,
+                    "tokens_first_layer_median": b,
+                    "ms_per_step": {
+                        "attention": p.attention_s * n * 1e3,
+                        "send": 0.0,
+                        "wait": (p.ffn_s + 2 * p.transfer_s + hw.exchange_s) * n * 1e3,
+                        "step_gap": (hw.step_s + hw.step_token_s * b + head) * 1e3,
+                    },
+                },
+                {"role": "ffn", "steps": 100, "ms_per_step": {"compute": p.ffn_s * n * 1e3}},
+            ]
+        }
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    report = {"settings": {"usable_cpus": "0-1"}, "profile": {"runs": {"1": {"levels": levels}}}}
+    (bench / "bench.json").write_text(json.dumps(report))
+    (tmp_path / "memory.json").write_text(json.dumps({"copy_bw_per_core": hw.mem_bw}))
+    return tmp_path
+
+
+def test_calibration_fit_recovers_known_figures(tmp_path):
+    shape = shape_from_config(BENCH)
+    truth = dataclasses.replace(
+        PRESETS["cpu"],
+        flops=40e9,
+        mem_bw=12e9,
+        bw_eff=0.5,
+        attention_flops_eff=1.0,
+        ffn_flops_eff=1.0,
+        attention_layer_s=0.4e-3,
+        ffn_layer_s=0.6e-3,
+        exchange_s=0.3e-3,
+        step_s=5e-3,
+        step_token_s=0.1e-3,
+    )
+    hw, _points = fit(shape, _fake_calibration(tmp_path, shape, truth, 48.0), context=48.0)
+    assert hw.cores == 2
+    assert hw.bw_eff == pytest.approx(0.5)
+    assert hw.ffn_layer_s == pytest.approx(0.6e-3, rel=0.1)
+    assert hw.attention_layer_s == pytest.approx(0.4e-3, rel=0.1)
+    assert hw.exchange_s == pytest.approx(0.3e-3, rel=0.05)
+    assert hw.step_s == pytest.approx(5e-3, rel=0.05)
+    for b in (2, 8, 32):
+        want = predict(shape, truth, Layout(), Workload(b, 48.0)).tpot_s
+        assert predict(shape, hw, Layout(), Workload(b, 48.0)).tpot_s == pytest.approx(
+            want, rel=0.05
+        )
