@@ -32,12 +32,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from afd_connectors_gpu.buffers import DEFAULT_MAX_NUM_TOKENS, BufferPool, Reservation
 from afd_connectors_gpu.rendezvous import A2F, F2A, DataPlaneGroup, join_data_plane
 from afd_core.config import AFDConfig, AFDRole, RoutingPayload
-from afd_core.connector import ConnectorCapabilities
+from afd_core.connector import ConnectorCapabilities, ExtraKey
 from afd_core.errors import AFDConfigError, AFDPeerLostError, AFDTransferMismatchError
 from afd_core.exchange import (
     IDLE,
@@ -46,7 +47,6 @@ from afd_core.exchange import (
     Spec,
     TransferContext,
     Transport,
-    positive_int,
 )
 from afd_core.wire import FRAME_LEN, Frame
 
@@ -765,17 +765,15 @@ class P2pAFDConnector(ExchangeConnector):
             )
 
 
-def _pool_keys(cls: type[P2pAFDConnector], extra: Mapping[str, Any], out: dict[str, Any]) -> None:
-    """Validate the buffer-pool keys shared by both flavours into ``out``."""
-    out["max_num_tokens"] = positive_int(
-        cls.name, "max_num_tokens", extra.get("max_num_tokens", DEFAULT_MAX_NUM_TOKENS)
-    )
-    out["hidden_size"] = extra.get("hidden_size")
-    if out["hidden_size"] is not None:
-        positive_int(cls.name, "hidden_size", out["hidden_size"])
-    out["dtype"] = extra.get("dtype")
-    if out["dtype"] is not None:
-        cls.check_dtype(out["dtype"])
+#: dtypes a buffer may be preallocated in.
+DTYPES = ("bfloat16", "float16", "float32")
+
+#: The buffer-pool keys of both flavours.
+_POOL_KEYS: Mapping[str, ExtraKey] = {
+    "max_num_tokens": ExtraKey.integer(default=DEFAULT_MAX_NUM_TOKENS),
+    "hidden_size": ExtraKey.integer(),
+    "dtype": ExtraKey.one_of(DTYPES),
+}
 
 
 def _cpu_tensor(values: Sequence[int]) -> Any:
@@ -783,6 +781,10 @@ def _cpu_tensor(values: Sequence[int]) -> Any:
     import torch
 
     return torch.tensor(list(values), dtype=torch.int64, device="cpu")
+
+
+def _is_device(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class P2pGlooAFDConnector(P2pAFDConnector):
@@ -799,22 +801,9 @@ class P2pGlooAFDConnector(P2pAFDConnector):
     capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities(
         platforms=frozenset({"cpu"})
     )
-    extra_keys: ClassVar[frozenset[str]] = frozenset(
-        {"buffer_pool", "max_num_tokens", "hidden_size", "dtype"}
+    extra_schema: ClassVar[Mapping[str, ExtraKey]] = MappingProxyType(
+        {"buffer_pool": ExtraKey.flag(), **_POOL_KEYS}
     )
-
-    @classmethod
-    def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
-        cls.check_extra_keys(extra)
-        pool = extra.get("buffer_pool", False)
-        if not isinstance(pool, bool):
-            raise AFDConfigError(
-                f"connector_extra_config['buffer_pool'] of {cls.name}: expected true or "
-                f"false, got {pool!r}"
-            )
-        out: dict[str, Any] = {"buffer_pool": pool}
-        _pool_keys(cls, extra, out)
-        return out
 
 
 class P2pNcclAFDConnector(P2pAFDConnector):
@@ -847,25 +836,9 @@ class P2pNcclAFDConnector(P2pAFDConnector):
     )
     transport_class: ClassVar[type[Transport]] = NcclTransport
 
-    extra_keys: ClassVar[frozenset[str]] = frozenset(
-        {"max_num_tokens", "device", "hidden_size", "dtype"}
+    extra_schema: ClassVar[Mapping[str, ExtraKey]] = MappingProxyType(
+        {"device": ExtraKey(_is_device, "a CUDA device index >= 0"), **_POOL_KEYS}
     )
-
-    @classmethod
-    def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
-        cls.check_extra_keys(extra)
-        out: dict[str, Any] = {"device": extra.get("device")}
-        _pool_keys(cls, extra, out)
-        if out["device"] is not None and (
-            not isinstance(out["device"], int)
-            or isinstance(out["device"], bool)
-            or out["device"] < 0
-        ):
-            raise AFDConfigError(
-                f"connector_extra_config['device'] of {cls.name}: expected a CUDA device "
-                f"index >= 0, got {out['device']!r}"
-            )
-        return out
 
     @property
     def max_num_tokens(self) -> int:

@@ -47,11 +47,12 @@ import struct
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from afd_connectors_gpu import futex
 from afd_connectors_gpu.rendezvous import barrier, join_store, wait_for_keys
-from afd_core.connector import ConnectorCapabilities
+from afd_core.connector import ConnectorCapabilities, ExtraKey
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.exchange import (
     ExchangeConnector,
@@ -59,7 +60,6 @@ from afd_core.exchange import (
     Spec,
     TransferContext,
     Transport,
-    positive_int,
 )
 from afd_core.procfs import process_start
 from afd_core.wire import FRAME_LEN, Frame
@@ -700,9 +700,17 @@ class P2pShmAFDConnector(ExchangeConnector):
         platforms=frozenset({"cpu"}), same_host_only=True
     )
 
-    extra_keys: ClassVar[frozenset[str]] = frozenset(
-        {"max_num_tokens", "hidden_size", "dtype", "slot_bytes", "num_slots", "spin_us"}
+    extra_schema: ClassVar[Mapping[str, ExtraKey]] = MappingProxyType(
+        {
+            "max_num_tokens": ExtraKey.integer(default=8192),
+            "hidden_size": ExtraKey.integer(),
+            "dtype": ExtraKey.one_of(("bfloat16", "float16", "float32"), default="bfloat16"),
+            "slot_bytes": ExtraKey.integer(minimum=4096),
+            "num_slots": ExtraKey.integer(),
+            "spin_us": ExtraKey.integer(minimum=0, default=0),
+        }
     )
+
     transport_class: ClassVar[type[Transport]] = ShmTransport
     transport: ShmTransport
 
@@ -715,33 +723,3 @@ class P2pShmAFDConnector(ExchangeConnector):
     def slot_bytes(self) -> int:
         """Bytes of one ring slot."""
         return self.transport.slot_bytes
-
-    @classmethod
-    def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
-        cls.check_extra_keys(extra)
-        out: dict[str, Any] = {
-            "max_num_tokens": positive_int(
-                cls.name, "max_num_tokens", extra.get("max_num_tokens", 8192)
-            ),
-            "hidden_size": extra.get("hidden_size"),
-            "dtype": extra.get("dtype", "bfloat16"),
-            "slot_bytes": extra.get("slot_bytes"),
-            "num_slots": extra.get("num_slots"),
-            "spin_us": extra.get("spin_us", 0),
-        }
-        for key in ("hidden_size", "slot_bytes", "num_slots"):
-            if out[key] is not None:
-                positive_int(cls.name, key, out[key])
-        if out["slot_bytes"] is not None and out["slot_bytes"] < 4096:
-            raise AFDConfigError(
-                f"connector_extra_config['slot_bytes'] of {cls.name}: expected >= 4096, "
-                f"got {out['slot_bytes']!r}"
-            )
-        spin = out["spin_us"]
-        if not isinstance(spin, int) or isinstance(spin, bool) or spin < 0:
-            raise AFDConfigError(
-                f"connector_extra_config['spin_us'] of {cls.name}: expected an int >= 0, "
-                f"got {spin!r}"
-            )
-        cls.check_dtype(out["dtype"])
-        return out

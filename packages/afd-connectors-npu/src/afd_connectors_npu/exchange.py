@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from afd_connectors_npu.ops import A2EMessage, CAMOps, CAMOpsFactory, E2AMessage
@@ -27,8 +28,8 @@ from afd_connectors_npu.validation import (
 )
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connect import Session, connect_phase
+from afd_core.connector import ExtraKey
 from afd_core.errors import (
-    AFDConfigError,
     AFDConnectorClosedError,
     AFDTimeoutError,
     AFDTransferMismatchError,
@@ -46,13 +47,15 @@ from afd_core.wire import Frame, make_frame
 
 __all__ = ["CAMConnector", "CAMTransport", "EXTRA_CONFIG_KEYS"]
 
-EXTRA_CONFIG_KEYS: Mapping[str, type] = {
-    "cam_op_namespace": str,
-    "cam_op_library": str,
-    "cam_op_names": dict,
-    "token_ids_width": int,
-}
-"""``connector_extra_config`` keys of the CAM connectors and their types."""
+EXTRA_CONFIG_KEYS: Mapping[str, ExtraKey] = MappingProxyType(
+    {
+        "cam_op_namespace": ExtraKey.text(),
+        "cam_op_library": ExtraKey.text(),
+        "cam_op_names": ExtraKey.text_mapping("operation -> operator name"),
+        "token_ids_width": ExtraKey.integer(default=1),
+    }
+)
+"""``connector_extra_config`` keys of the CAM connectors (their :attr:`extra_schema`)."""
 
 # The FFN side's wait for the next step re-arms the CAM receive this often.
 _IDLE_POLL_S = 1.0
@@ -223,6 +226,7 @@ class CAMConnector(ExchangeConnector):
     codec: ClassVar[A2ECodec] = A2ECodec()
     transport_class: ClassVar[type[Transport]] = CAMTransport
     transport: CAMTransport
+    extra_schema: ClassVar[Mapping[str, ExtraKey]] = EXTRA_CONFIG_KEYS
 
     def __init__(
         self, config: AFDConfig, *, rank: int, ops_factory: CAMOpsFactory | None = None
@@ -230,8 +234,7 @@ class CAMConnector(ExchangeConnector):
         super().__init__(config, rank=rank)
         self._check_config(config)
         self._ops_factory: CAMOpsFactory = ops_factory or _default_ops_factory
-        width = self.extra_config.get("token_ids_width", 1)
-        self._token_ids_width = int(width)
+        self._token_ids_width = int(self.extra_config["token_ids_width"])
 
     # -- configuration -------------------------------------------------------------------
     @classmethod
@@ -240,31 +243,6 @@ class CAMConnector(ExchangeConnector):
     ) -> None:
         """Start-up check (see :func:`~afd_connectors_npu.validation.validate_npu_deployment`)."""
         validate_npu_deployment(config, shape_from_vllm_config(vllm_config, platform=platform))
-
-    @classmethod
-    def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
-        unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
-        if unknown:
-            raise AFDConfigError(
-                f"connector_extra_config of {cls.name}: unknown keys {unknown}; "
-                f"allowed: {sorted(EXTRA_CONFIG_KEYS)}"
-            )
-        for key, value in extra.items():
-            want = EXTRA_CONFIG_KEYS[key]
-            ok = isinstance(value, want) and not isinstance(value, bool)
-            if key == "token_ids_width":
-                ok = ok and value >= 1
-            if key == "cam_op_names":
-                ok = ok and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
-            if not ok:
-                what = {
-                    "token_ids_width": "an int >= 1",
-                    "cam_op_names": "a mapping of operation -> operator name (strings)",
-                }.get(key, "a non-empty string")
-                raise AFDConfigError(
-                    f"connector_extra_config[{key!r}] of {cls.name}: expected {what}, got {value!r}"
-                )
-        return dict(extra)
 
     def _check_config(self, config: AFDConfig) -> None:
         """Reject settings this connector cannot serve (at construction, i.e. start-up)."""

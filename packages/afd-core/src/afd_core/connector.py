@@ -21,16 +21,59 @@ FFN side, in a loop::
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar, Self
 
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.errors import AFDConfigError, AFDTransferMismatchError
+from afd_core.errors import AFDConfigError, AFDTransferMismatchError, did_you_mean
 from afd_core.topology import AFDTopology
 from afd_core.transfer import AttentionToFFN, FFNToAttention, PayloadKind, TransferHeader
 
-__all__ = ["AFDConnector", "ConnectorCapabilities", "FFNBatch"]
+__all__ = ["AFDConnector", "ConnectorCapabilities", "ExtraKey", "FFNBatch"]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraKey:
+    """One ``connector_extra_config`` key a connector accepts: what its value must be
+    (``accepts``, described by ``expected`` in the error) and its default (None: the key
+    is optional and stays None when absent). A connector declares its keys in
+    :attr:`AFDConnector.extra_schema`; :meth:`AFDConnector.validate_extra_config`
+    checks them all in one way. Build them with the class methods."""
+
+    accepts: Callable[[Any], bool]
+    expected: str
+    default: Any = None
+
+    @classmethod
+    def integer(cls, *, minimum: int = 1, default: int | None = None) -> ExtraKey:
+        return cls(lambda v: _is_int(v) and v >= minimum, f"an int >= {minimum}", default)
+
+    @classmethod
+    def flag(cls, *, default: bool = False) -> ExtraKey:
+        return cls(lambda v: isinstance(v, bool), "true or false", default)
+
+    @classmethod
+    def one_of(cls, choices: tuple[str, ...], *, default: str | None = None) -> ExtraKey:
+        return cls(lambda v: v in choices, f"one of {', '.join(choices)}", default)
+
+    @classmethod
+    def text(cls) -> ExtraKey:
+        return cls(lambda v: isinstance(v, str) and bool(v), "a non-empty string")
+
+    @classmethod
+    def text_mapping(cls, what: str) -> ExtraKey:
+        def accepts(v: Any) -> bool:
+            return isinstance(v, Mapping) and all(
+                isinstance(k, str) and isinstance(x, str) for k, x in v.items()
+            )
+
+        return cls(accepts, f"a mapping of {what} (strings)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,15 +218,48 @@ class AFDConnector(abc.ABC):
                 f"created for the {self.role.value} role"
             )
 
+    #: The ``connector_extra_config`` keys it accepts (:class:`ExtraKey`); empty: none.
+    #: None: a wrapper whose inner connector(s) validate the same mapping.
+    extra_schema: ClassVar[Mapping[str, ExtraKey] | None] = MappingProxyType({})
+
     @classmethod
     def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
-        """Check ``connector_extra_config``; the default accepts only an empty mapping."""
-        if extra:
+        """Check ``connector_extra_config`` against :attr:`extra_schema` (the one way every
+        connector's extra config is checked): unknown keys and bad values raise
+        :class:`AFDConfigError` naming the key and the allowed keys with what each takes.
+        Returns every declared key, absent ones at their default."""
+        schema = cls.extra_schema
+        if schema is None:
+            return dict(extra)
+        name = cls.name or cls.__name__
+        if not schema:
+            if extra:
+                raise AFDConfigError(
+                    f"connector_extra_config: connector {name!r} takes no extra options, got "
+                    f"{sorted(extra)}"
+                )
+            return {}
+        allowed = "; ".join(f"{key}: {spec.expected}" for key, spec in sorted(schema.items()))
+        unknown = sorted(set(extra) - set(schema))
+        if unknown:
+            hint = did_you_mean(unknown[0], sorted(schema)) if len(unknown) == 1 else ""
             raise AFDConfigError(
-                f"connector_extra_config: connector {cls.name or cls.__name__!r} takes no extra "
-                f"options, got {sorted(extra)}"
+                f"connector_extra_config of {name}: unknown keys {unknown}"
+                f"{f' ({hint})' if hint else ''}; allowed keys: {allowed}"
             )
-        return dict(extra)
+        out: dict[str, Any] = {}
+        for key, spec in schema.items():
+            if key not in extra:
+                out[key] = spec.default
+                continue
+            value = extra[key]
+            if not spec.accepts(value):
+                raise AFDConfigError(
+                    f"connector_extra_config[{key!r}] of {name}: expected {spec.expected}, got "
+                    f"{value!r} (allowed keys: {allowed})"
+                )
+            out[key] = value
+        return out
 
     @classmethod
     def check_deployment(

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from afd_core.config import AFDConfig, AFDRole
@@ -68,7 +68,6 @@ __all__ = [
     "disagree_error",
     "duplicate_send_error",
     "idle_rank_error",
-    "positive_int",
 ]
 
 #: The deadline of a wait with none: the FFN side waiting for the next step.
@@ -125,15 +124,6 @@ def idle_rank_error(connector: AFDConnector) -> AFDConfigError:
         f"(idle FFN ranks: {list(topo.idle_ffn_ranks)}); an idle rank must not call "
         "recv_from_attention"
     )
-
-
-def positive_int(cls_name: str, key: str, value: Any) -> int:
-    """``value`` of ``connector_extra_config[key]``, checked to be an int >= 1."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise AFDConfigError(
-            f"connector_extra_config[{key!r}] of {cls_name}: expected an int >= 1, got {value!r}"
-        )
-    return value
 
 
 def _layer_key(frame: Frame) -> tuple[Any, ...]:
@@ -288,8 +278,6 @@ class ExchangeConnector(AFDConnector):
 
     #: The transport this connector composes (subclasses set it).
     transport_class: ClassVar[type[Transport]] = Transport
-    #: extra-config keys this connector accepts (see :meth:`check_extra_keys`).
-    extra_keys: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, config: AFDConfig, *, rank: int) -> None:
         super().__init__(config, rank=rank)
@@ -316,24 +304,6 @@ class ExchangeConnector(AFDConnector):
         # Peer global rank -> why the connection to it cannot be used any more.
         self._broken: dict[int, str] = {}
         self.transport = self.transport_class(self)
-
-    # -- extra config helpers ----------------------------------------------------------
-    @classmethod
-    def check_extra_keys(cls, extra: Mapping[str, Any]) -> None:
-        unknown = sorted(set(extra) - cls.extra_keys)
-        if unknown:
-            raise AFDConfigError(
-                f"connector_extra_config of {cls.name}: unknown keys {unknown}; "
-                f"allowed: {sorted(cls.extra_keys)}"
-            )
-
-    @classmethod
-    def check_dtype(cls, value: Any) -> None:
-        if value not in ("bfloat16", "float16", "float32"):
-            raise AFDConfigError(
-                f"connector_extra_config['dtype'] of {cls.name}: expected bfloat16, float16 "
-                f"or float32, got {value!r}"
-            )
 
     # -- what transports use -----------------------------------------------------------
     @property

@@ -97,10 +97,8 @@ class TensorParallelExchange(AFDConnector):
         if inner is not None:
             self.identity = inner.identity
 
-    @classmethod
-    def validate_extra_config(cls, extra: Any) -> Any:
-        # The wrapped connector checks its own extra config.
-        return dict(extra)
+    #: The wrapped connector checks the extra config (the same mapping).
+    extra_schema = None
 
     @property
     def is_leader(self) -> bool:
