@@ -45,7 +45,7 @@ from torch import nn
 
 from afd_core.config import AFDConfig
 from afd_core.connector import AFDConnector, FFNBatch
-from afd_core.errors import AFDConfigError
+from afd_core.errors import AFDConfigError, AFDConnectorError
 from afd_core.topology import expert_shard
 from afd_core.transfer import AttentionToFFN, FFNToAttention
 from afd_moe_runners.exchange import pop_sent
@@ -261,6 +261,20 @@ class ExpertParallelExchange(AFDConnector):
     def recv_from_ffn(
         self, *, layer_idx: int, micro_batch_idx: int = 0, timeout_s: float | None = None
     ) -> FFNToAttention:
+        if (layer_idx, micro_batch_idx) not in self._sent:
+            # No send of this layer: as the exchange protocol does, every plane receives
+            # anyway, to say which answer really arrived (getting past it, so the planes'
+            # streams stay in step) or to time out; the first plane's error is raised.
+            errors: list[AFDConnectorError] = []
+            for plane in self.planes:
+                try:
+                    plane.recv_from_ffn(
+                        layer_idx=layer_idx, micro_batch_idx=micro_batch_idx, timeout_s=timeout_s
+                    )
+                except AFDConnectorError as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
         rows, dtype, indices = pop_sent(self._sent, self.label, layer_idx, micro_batch_idx)
         parts = [
             (index, plane.recv_from_ffn(

@@ -146,6 +146,13 @@ class TensorParallelExchange(AFDConnector):
     def recv_from_ffn(
         self, *, layer_idx: int, micro_batch_idx: int = 0, timeout_s: float | None = None
     ) -> FFNToAttention:
+        if (layer_idx, micro_batch_idx) not in self._sent and self.inner is not None:
+            # No send of this layer: as the exchange protocol does, the rank's connector
+            # receives anyway, to say which answer really arrived (getting past it, so its
+            # stream stays in step) or to time out; a follower cannot know and says so.
+            self.inner.recv_from_ffn(
+                layer_idx=layer_idx, micro_batch_idx=micro_batch_idx, timeout_s=timeout_s
+            )
         rows, size, dtype, device = pop_sent(self._sent, self.label, layer_idx, micro_batch_idx)
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=device)
         if self.inner is not None:
