@@ -109,12 +109,12 @@ def main() -> None:
 
     import torch
 
-    from afd_moe_runners import testing
+    from afd_models_qwen.testing import QWEN3_STYLE  # the "qwen3" test block's config
     from afd_moe_runners.testing import MoEEnv, session_vllm_config
 
     torch.set_num_threads(1)
     results: list[dict[str, Any]] = []
-    with session_vllm_config() as config, mock.patch.dict(testing.QWEN3_STYLE, BENCH):
+    with session_vllm_config() as config, mock.patch.dict(QWEN3_STYLE, BENCH):
         env = MoEEnv(config)
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)

@@ -27,7 +27,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-EXPERTS = 16  # QWEN3_STYLE / DEEPSEEK_V3_STYLE of afd_moe_runners.testing
+EXPERTS = 16  # the "qwen3" / "deepseek" test blocks (afd_models_*.testing)
 LAYER, DENSE_LAYER = 2, 0
 TOKENS = 40
 _ports = iter(range(44100, 44600))

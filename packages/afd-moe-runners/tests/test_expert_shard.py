@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-EXPERTS = 16  # QWEN3_STYLE / DEEPSEEK_V3_STYLE of afd_moe_runners.testing
+EXPERTS = 16  # the "qwen3" / "deepseek" test blocks (afd_models_*.testing)
 
 
 def _ffn_config(rank: int, ep: int) -> Any:

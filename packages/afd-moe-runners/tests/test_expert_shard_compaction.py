@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-EXPERTS, TOP_K, INTERMEDIATE = 16, 4, 32  # QWEN3_STYLE of afd_moe_runners.testing
+EXPERTS, TOP_K, INTERMEDIATE = 16, 4, 32  # the "qwen3" test block (afd_models_qwen.testing)
 
 
 def _ffn_config(rank: int, ep: int) -> Any:

