@@ -1,9 +1,9 @@
 """Model shapes of ``afd plan``: sizes, FLOPs and KV bytes from a ``config.json``.
 
 :func:`load_shape` takes a checkpoint directory (its ``config.json``) or the name of a
-real-deployment shape of the model packages (``afd_models_deepseek.shapes``,
-``afd_models_qwen.shapes``: DeepSeek-V3, DeepSeek-V2-Lite, Qwen3-235B-A22B,
-Qwen3-30B-A3B). Counts are per layer unless named otherwise; parameters, not bytes
+real-deployment shape of the installed model families
+(:func:`afd.model_families.family_shapes`; today DeepSeek-V3, DeepSeek-V2-Lite,
+Qwen3-235B-A22B, Qwen3-30B-A3B). Counts are per layer unless named otherwise; parameters, not bytes
 (:attr:`ModelShape.weight_bytes` says how many bytes one takes).
 """
 
@@ -158,10 +158,9 @@ def shape_from_config(cfg: Mapping[str, Any], name: str = "model") -> ModelShape
 
 
 def _recipes() -> dict[str, Any]:
-    from afd_models_deepseek.shapes import SHAPES as DEEPSEEK
-    from afd_models_qwen.shapes import SHAPES as QWEN
+    from afd.model_families import family_shapes
 
-    return {s.name.lower(): s for s in (*DEEPSEEK, *QWEN)}
+    return {s.name.lower(): s for s in family_shapes()}
 
 
 def recipe_names() -> list[str]:
