@@ -187,13 +187,13 @@ def npu_stand_ins() -> Iterator[None]:
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
     from afd_connectors_npu import validation
-    from afd_moe_runners import builder
+    from afd_moe_runners import deployment_plan
     from afd_moe_runners.npu import runners as npu_runners
     from afd_moe_runners.npu.runners import AscendRunnerSeams
     from afd_moe_runners.testing import session_vllm_config
 
     with session_vllm_config(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(builder, "current_platform_name", lambda: "npu")
+        patch.setattr(deployment_plan, "current_platform_name", lambda: "npu")
         patch.setattr(validation, "_detect_platform", lambda: "npu")
         patch.setattr(npu_runners, "ascend_runner_seams", lambda: AscendRunnerSeams(MoERunner))
         yield
@@ -259,7 +259,7 @@ def deploy(example: Example, model_dir: Path, patch: pytest.MonkeyPatch) -> Depl
     """Both roles built and connected over the fake CAM operators."""
     from afd_connectors_npu.testing import FakeCAMFabric
     from afd_core.registry import get_connector_class
-    from afd_moe_runners import role_model
+    from afd_moe_runners import role_model, role_runtime
     from afd_moe_runners.builder import shared_experts_on_attention
     from afd_moe_runners.ffn_compute import FFNLayerCompute
     from afd_moe_runners.generic import native_model_class, role_model_class
@@ -310,7 +310,7 @@ def deploy(example: Example, model_dir: Path, patch: pytest.MonkeyPatch) -> Depl
         created.append(connector)
         return connector
 
-    patch.setattr(role_model, "create_connector", create_connector)
+    patch.setattr(role_runtime, "create_connector", create_connector)
     attention = []
     for r in range(afd_ffn.num_attention_ranks):
         config = engine_config(

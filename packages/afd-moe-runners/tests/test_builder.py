@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -423,14 +424,18 @@ def test_each_role_may_own_only_the_modules_it_computes(
     allowed: set[str],
 ) -> None:
     from afd_core.config import AFDRole
-    from afd_moe_runners import builder
-    from afd_moe_runners.role_model import _forbidden_categories
+    from afd_moe_runners import deployment_plan
+    from afd_moe_runners.inventory import forbidden_categories
 
-    monkeypatch.setattr(builder, "current_platform_name", lambda: platform)
+    monkeypatch.setattr(deployment_plan, "current_platform_name", lambda: platform)
     config = attention_config(
         role=AFDRole(role), connector=connector, compute_gate_on_attention=True
     )
-    categories = set(_forbidden_categories(config))
+    # The FFN role's plan (the Attention role's on npu would run CAM's deployment check).
+    plan = deployment_plan.resolve_plan(config, role=AFDRole.FFN)
+    if role == "attention":
+        plan = dataclasses.replace(plan, role=AFDRole.ATTENTION)
+    categories = set(forbidden_categories(plan))
     assert forbidden <= categories
     assert not allowed & categories
 

@@ -144,7 +144,7 @@ def test_graph_mode_decision_per_platform_and_mode() -> None:
 def test_full_cuda_graphs_are_refused_at_the_model_build(monkeypatch) -> None:
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
-    from afd_moe_runners import role_model
+    from afd_moe_runners import deployment_plan
 
     cuda_default = engine(
         eager=False, mode=CompilationMode.VLLM_COMPILE, graphs=CUDAGraphMode.FULL_AND_PIECEWISE
@@ -155,7 +155,7 @@ def test_full_cuda_graphs_are_refused_at_the_model_build(monkeypatch) -> None:
         "AFDTestModel",
     )
     # ... stubbed to CUDA, full graphs are refused.
-    monkeypatch.setattr(role_model, "_current_device_type", lambda: "cuda")
+    monkeypatch.setattr(deployment_plan, "current_platform_name", lambda: "cuda")
     with pytest.raises(AFDConfigError, match="PIECEWISE"):
         check_supported_parallelism(cuda_default, "AFDTestModel")
     # The FFN role runs no compiled model forward: not refused.

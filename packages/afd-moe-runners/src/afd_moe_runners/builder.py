@@ -1,12 +1,15 @@
-"""Which runner a layer gets: the one place that maps (platform, connector, gate placement).
+"""Which runner a layer gets, as the role's deployment plan says.
 
-A model wrapper asks :func:`afd_runner_kwargs` for the extra ``FusedMoEFactory``
-arguments of its role and passes them with the model's usual ones; or it calls
-:func:`build_afd_moe` / :func:`afd_moe_factory` (a drop-in for ``FusedMoEFactory``).
+The decisions (runner kind, gate, shared-expert and dense-layer placement) are made once
+per role, at start-up, into a :class:`~afd_moe_runners.deployment_plan.DeploymentPlan`
+(:func:`~afd_moe_runners.deployment_plan.resolve_plan`); the factories here read it for
+every MoE layer and decide nothing again. A model wrapper asks :func:`afd_runner_kwargs`
+for the extra ``FusedMoEFactory`` arguments of its role and passes them with the
+model's usual ones; or it calls :func:`build_afd_moe` / :func:`afd_moe_factory` (a
+drop-in for ``FusedMoEFactory``).
 
-The connector decides through the capabilities its class declares
-(:class:`afd_core.connector.ConnectorCapabilities`, read through the registry), never
-by its name:
+The connector decides, when the plan is resolved, through the capabilities its class
+declares (:class:`afd_core.connector.ConnectorCapabilities`), never by its name:
 
 =========  =====================================  =========================================
 role       connector capabilities                 factory kwargs
@@ -38,18 +41,27 @@ layer is built, by the runner classes themselves.
 
 from __future__ import annotations
 
-import functools
+import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from afd_core.config import AFDConfig, AFDRole, RoutingPayload
-from afd_core.connector import AFDConnector, ConnectorCapabilities
+from afd_core.config import AFDConfig, AFDRole
 from afd_core.errors import AFDConfigError
-from afd_core.registry import get_connector_class
-from afd_core.transfer import PayloadKind
+from afd_moe_runners.deployment_plan import (
+    DeploymentPlan,
+    RunnerKind,
+    capabilities,
+    connector_class,
+    current_platform_name,
+    dense_layers_placement,
+    resolve_plan,
+    shared_experts_placement,
+)
 
 if TYPE_CHECKING:
     from afd_moe_runners.exchange import MicroBatchYield
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "capabilities",
@@ -58,6 +70,7 @@ __all__ = [
     "build_afd_moe",
     "afd_moe_factory",
     "current_platform_name",
+    "runner_kwargs",
     "shared_experts_on_attention",
     "dense_layers_on_attention",
     "ffn_external_routing",
@@ -67,51 +80,27 @@ _FACTORY_KWARGS = ("runner_cls", "runner_args", "routed_experts_cls", "routed_ex
 _RUNNER_KWARGS = ("runner_cls", "runner_args")
 
 
-def current_platform_name() -> str:
-    """vLLM's ``current_platform.device_type`` (``"cpu"``, ``"cuda"``, ``"npu"``...)."""
-    from vllm.platforms import current_platform
-
-    return str(current_platform.device_type)
-
-
-@functools.lru_cache(maxsize=8)
-def connector_class(name: str) -> type[AFDConnector]:
-    """The connector class registered as ``name``, looked up once per process: the
-    builders below ask for it at every MoE layer. (A test that re-registers a name with
-    another class calls ``connector_class.cache_clear()``.)"""
-    return get_connector_class(name)
-
-
-def capabilities(afd_config: AFDConfig) -> ConnectorCapabilities:
-    """What ``afd.connector`` declares it supports (its class looked up once per process)."""
-    return connector_class(afd_config.connector).capabilities
-
-
-def _check_supported(platform: str, afd_config: AFDConfig) -> None:
-    caps = capabilities(afd_config)
-    if not caps.supports_platform(platform):
+def _plan(
+    source: AFDConfig | DeploymentPlan,
+    *,
+    role: AFDRole | str | None = None,
+    platform: str | None = None,
+) -> DeploymentPlan:
+    """``source`` itself when it is a plan (``role`` / ``platform``, when given, must be
+    its own), else the plan resolved from the AFD config."""
+    if not isinstance(source, DeploymentPlan):
+        return resolve_plan(source, role=role, platform=platform)
+    if role is not None and AFDRole(role) is not source.role:
         raise AFDConfigError(
-            f"AFD MoE runners: connector {afd_config.connector!r} is not supported on "
-            f"platform {platform!r} (it supports {caps.describe_platforms()}); set "
-            "additional_config.afd.connector to a connector for this platform"
+            f"AFD MoE runners: asked for the {AFDRole(role).value} role with the deployment "
+            f"plan of the {source.role.value} role; resolve a plan for that role"
         )
-
-
-def _check_gate(afd_config: AFDConfig) -> None:
-    caps = capabilities(afd_config)
-    gate = "attention" if afd_config.compute_gate_on_attention else "ffn"
-    if gate not in caps.gate_placements:
+    if platform is not None and platform != source.platform:
         raise AFDConfigError(
-            f"AFD MoE runners: connector {afd_config.connector!r} does not support the gate "
-            f"on {gate} (afd.compute_gate_on_attention="
-            f"{str(afd_config.compute_gate_on_attention).lower()}); it supports the gate on "
-            f"{' or '.join(sorted(caps.gate_placements))}"
+            f"AFD MoE runners: asked for platform {platform!r} with a deployment plan "
+            f"resolved for {source.platform!r}; resolve a plan for that platform"
         )
-
-
-def _uses_platform_runners(platform: str, afd_config: AFDConfig) -> bool:
-    # The platform's own runners exist on Ascend only (vLLM-Ascend).
-    return platform == "npu" and capabilities(afd_config).platform_runners
+    return source
 
 
 def shared_experts_on_attention(afd_config: AFDConfig, *, platform: str | None = None) -> bool:
@@ -119,14 +108,10 @@ def shared_experts_on_attention(afd_config: AFDConfig, *, platform: str | None =
 
     True only on Ascend with the gate on Attention (CAMP2p or CAMAsync): the Attention
     role runs gate + shared experts and the FFN role the routed experts alone. Both
-    roles must agree; the FFN side passes this to ``FFNLayerCompute``.
+    roles must agree; the FFN side passes this to ``FFNLayerCompute``. (The plan's
+    ``shared_experts``; a role model holds its plan as ``afd_deployment``.)
     """
-    if not afd_config.compute_gate_on_attention:
-        return False
-    platform = platform if platform is not None else current_platform_name()
-    return _uses_platform_runners(platform, afd_config) and (
-        capabilities(afd_config).shared_experts_on_attention
-    )
+    return shared_experts_placement(afd_config, platform) is AFDRole.ATTENTION
 
 
 def dense_layers_on_attention(afd_config: AFDConfig) -> bool:
@@ -136,25 +121,26 @@ def dense_layers_on_attention(afd_config: AFDConfig) -> bool:
     (:meth:`~afd_core.connector.ConnectorCapabilities.carries` ``PayloadKind.HIDDEN``),
     which a remote dense layer would send: CAMAsync. Both roles must agree; the
     Attention role builds and loads those layers natively, the FFN role builds none of
-    them and refuses a request for one.
+    them and refuses a request for one. (The plan's ``dense_layers``.)
     """
-    return not capabilities(afd_config).carries(PayloadKind.HIDDEN)
+    return dense_layers_placement(afd_config) is AFDRole.ATTENTION
 
 
 def ffn_external_routing(
-    afd_config: AFDConfig, layers: Mapping[int, Any], *, platform: str | None = None
+    afd_config: AFDConfig | DeploymentPlan,
+    layers: Mapping[int, Any],
+    *,
+    platform: str | None = None,
 ) -> dict[int, Any] | None:
     """The FFN role's per-layer external-routing components, or None where not needed.
 
-    Only Ascend's synchronous CAMP2p with the gate on Attention needs them: there the
-    received top-k goes through vLLM-Ascend's comm framework
-    (:func:`afd_moe_runners.npu.ascend.ascend_external_routing_layers`). ``layers`` maps
-    layer index -> FFN block, as given to ``FFNLayerCompute``.
+    Only Ascend's synchronous CAMP2p with the gate on Attention needs them (the plan's
+    ``ffn_external_routing``): there the received top-k goes through vLLM-Ascend's comm
+    framework (:func:`afd_moe_runners.npu.ascend.ascend_external_routing_layers`).
+    ``layers`` maps layer index -> FFN block, as given to ``FFNLayerCompute``.
     """
-    if not (afd_config.compute_gate_on_attention and capabilities(afd_config).ffn_external_routing):
-        return None
-    platform = platform if platform is not None else current_platform_name()
-    if not _uses_platform_runners(platform, afd_config):
+    plan = _plan(afd_config, role=AFDRole.FFN, platform=platform)
+    if not plan.ffn_external_routing:
         return None
     from afd_moe_runners.ffn_compute import find_moe_runner
     from afd_moe_runners.npu.ascend import ascend_external_routing_layers
@@ -164,30 +150,46 @@ def ffn_external_routing(
     )
 
 
-def _npu_runner_kwargs(
-    afd_config: AFDConfig, micro_batch_yield: MicroBatchYield | None
+def runner_kwargs(
+    plan: DeploymentPlan, micro_batch_yield: MicroBatchYield | None = None
 ) -> dict[str, Any]:
-    # The connector's start-up check (run just before) has accepted the combination:
-    # CAMAsync only with the gate on Attention, top-k payloads only.
-    gate_on_attention = afd_config.compute_gate_on_attention
-    from afd_moe_runners.npu.runners import npu_runner_classes
-
-    classes = npu_runner_classes()
+    """The ``FusedMoEFactory`` keyword arguments of the plan's runner kind (``{}`` for
+    the FFN role's native runner). ``micro_batch_yield`` is the hook the Attention
+    runners call between send and receive."""
+    if plan.runner is RunnerKind.NATIVE:
+        return {}
     runner_args: dict[str, Any] = {"micro_batch_yield": micro_batch_yield}
-    if gate_on_attention:
-        runner_cls = classes.attention_gate_runner
-        runner_args["routing_payload"] = RoutingPayload.TOPK
+    if plan.routing_payload is not None:
+        runner_args["routing_payload"] = plan.routing_payload
+    runner_cls: type
+    experts_cls: type
+    if plan.runner in (RunnerKind.NPU_ATTENTION_GATE, RunnerKind.NPU_REMOTE_EXPERTS):
+        from afd_moe_runners.npu.runners import npu_runner_classes
+
+        classes = npu_runner_classes()
+        runner_cls = (
+            classes.attention_gate_runner
+            if plan.runner is RunnerKind.NPU_ATTENTION_GATE
+            else classes.remote_experts_runner
+        )
+        experts_cls = classes.routed_experts
     else:
-        runner_cls = classes.remote_experts_runner
-    return {
-        "runner_cls": runner_cls,
-        "runner_args": runner_args,
-        "routed_experts_cls": classes.routed_experts,
-    }
+        from afd_moe_runners.remote_experts import RemoteRoutedExperts
+
+        experts_cls = RemoteRoutedExperts
+        if plan.runner is RunnerKind.EXTERNAL_ROUTING:
+            from afd_moe_runners.external_routing_runner import ExternalRoutingRunner
+
+            runner_cls = ExternalRoutingRunner
+        else:
+            from afd_moe_runners.remote_runner import RemoteExpertsRunner
+
+            runner_cls = RemoteExpertsRunner
+    return {"runner_cls": runner_cls, "runner_args": runner_args, "routed_experts_cls": experts_cls}
 
 
 def afd_runner_kwargs(
-    afd_config: AFDConfig,
+    afd_config: AFDConfig | DeploymentPlan,
     *,
     role: AFDRole | str | None = None,
     platform: str | None = None,
@@ -195,60 +197,21 @@ def afd_runner_kwargs(
 ) -> dict[str, Any]:
     """Extra ``FusedMoEFactory`` keyword arguments for this role's MoE layers.
 
-    ``role`` defaults to ``afd_config.role``; ``platform`` to vLLM's current platform.
-    The FFN role gets ``{}`` (it runs vLLM's native runner). ``micro_batch_yield`` is
-    the hook the Attention runners call between send and receive.
+    ``afd_config``: the role's AFD config (its plan is resolved here) or its resolved
+    plan. ``role`` defaults to the config's role; ``platform`` to vLLM's current
+    platform. The FFN role gets ``{}`` (it runs vLLM's native runner).
     """
-    role = AFDRole(role) if role is not None else afd_config.role
-    if role is AFDRole.FFN:
-        return {}
-    platform = platform if platform is not None else current_platform_name()
-    _check_supported(platform, afd_config)
-    if _uses_platform_runners(platform, afd_config):
-        # vLLM-Ascend builds the model (no afd wrapper ran check_supported_parallelism):
-        # the connector's start-up check runs here, at the first MoE layer.
-        from vllm.config import get_current_vllm_config
-
-        connector_cls = connector_class(afd_config.connector)
-        connector_cls.check_deployment(afd_config, get_current_vllm_config(), platform=platform)
-        _check_gate(afd_config)
-        return _npu_runner_kwargs(afd_config, micro_batch_yield)
-    _check_gate(afd_config)
-
-    from afd_moe_runners.remote_experts import RemoteRoutedExperts
-
-    runner_args: dict[str, Any] = {"micro_batch_yield": micro_batch_yield}
-    runner_cls: type
-    if afd_config.compute_gate_on_attention:
-        from afd_moe_runners.external_routing_runner import ExternalRoutingRunner
-
-        runner_cls = ExternalRoutingRunner
-        runner_args["routing_payload"] = afd_config.routing_payload
-    else:
-        from afd_moe_runners.remote_runner import RemoteExpertsRunner
-
-        runner_cls = RemoteExpertsRunner
-    return {
-        "runner_cls": runner_cls,
-        "runner_args": runner_args,
-        "routed_experts_cls": RemoteRoutedExperts,
-    }
+    return runner_kwargs(_plan(afd_config, role=role, platform=platform), micro_batch_yield)
 
 
-def build_afd_moe(
-    afd_config: AFDConfig,
+def build_planned_moe(
+    plan: DeploymentPlan,
     *,
-    role: AFDRole | str | None = None,
-    platform: str | None = None,
     micro_batch_yield: MicroBatchYield | None = None,
     factory: Callable[..., Any] | None = None,
     **factory_kwargs: Any,
 ) -> Any:
-    """``FusedMoEFactory(**factory_kwargs)`` with this role's AFD runner and experts.
-
-    ``factory`` is the factory to call (default: vLLM's ``FusedMoEFactory``); a model
-    wrapper passes the name its model module calls.
-    """
+    """``factory(**factory_kwargs)`` with the plan's runner and experts (one MoE layer)."""
     # A model's own routed-experts class (gpt-oss passes one) is for the FFN role, which
     # builds the layer natively; on the Attention role AFD's weightless experts replace it.
     clash = sorted(k for k in _RUNNER_KWARGS if factory_kwargs.get(k) is not None)
@@ -260,38 +223,89 @@ def build_afd_moe(
         )
     for key in _FACTORY_KWARGS:
         factory_kwargs.pop(key, None)
-    if AFDRole(role if role is not None else afd_config.role) is AFDRole.ATTENTION:
-        platform = platform if platform is not None else current_platform_name()
-        if not shared_experts_on_attention(afd_config, platform=platform):
-            # On cpu/cuda the shared experts live on the FFN role in both gate placements:
-            # it returns their output next to the routed output (shared_output) when the
-            # gate runs on Attention, and inside the final block output when it runs on
-            # FFN. On npu with the gate on Attention they stay here (see the table above).
-            factory_kwargs["shared_experts"] = None
+    if plan.role is AFDRole.ATTENTION and not plan.shared_experts_on_attention:
+        # On cpu/cuda the shared experts live on the FFN role in both gate placements:
+        # it returns their output next to the routed output (shared_output) when the
+        # gate runs on Attention, and inside the final block output when it runs on
+        # FFN. On npu with the gate on Attention they stay here (see the table above).
+        factory_kwargs["shared_experts"] = None
     if factory is None:
         from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
         factory = FusedMoEFactory
-    extra = afd_runner_kwargs(
-        afd_config, role=role, platform=platform, micro_batch_yield=micro_batch_yield
+    return factory(**factory_kwargs, **runner_kwargs(plan, micro_batch_yield))
+
+
+def build_afd_moe(
+    afd_config: AFDConfig | DeploymentPlan,
+    *,
+    role: AFDRole | str | None = None,
+    platform: str | None = None,
+    micro_batch_yield: MicroBatchYield | None = None,
+    factory: Callable[..., Any] | None = None,
+    **factory_kwargs: Any,
+) -> Any:
+    """``FusedMoEFactory(**factory_kwargs)`` with this role's AFD runner and experts.
+
+    ``afd_config``: the role's AFD config (its plan resolved for this one layer) or its
+    resolved plan. ``factory`` is the factory to call (default: vLLM's
+    ``FusedMoEFactory``); a model wrapper passes the name its model module calls. A
+    model's layers go through :func:`afd_moe_factory`, which resolves the plan once.
+    """
+    plan = _plan(afd_config, role=role, platform=platform)
+    return build_planned_moe(
+        plan, micro_batch_yield=micro_batch_yield, factory=factory, **factory_kwargs
     )
-    return factory(**factory_kwargs, **extra)
+
+
+class _PlannedFactory:
+    """``FusedMoEFactory``'s signature; the plan resolved at the first layer (inside the
+    model's construction, under its vLLM config), then read for every layer."""
+
+    def __init__(
+        self,
+        source: AFDConfig | DeploymentPlan,
+        role: AFDRole | str | None,
+        platform: str | None,
+        micro_batch_yield: MicroBatchYield | None,
+        factory: Callable[..., Any] | None,
+    ) -> None:
+        self._source = source
+        self._role = role
+        self._platform = platform
+        self._plan_value = source if isinstance(source, DeploymentPlan) else None
+        if self._plan_value is not None:
+            _plan(source, role=role, platform=platform)  # role / platform agree
+        self.micro_batch_yield = micro_batch_yield
+        self.factory = factory
+
+    @property
+    def plan(self) -> DeploymentPlan:
+        if self._plan_value is None:
+            self._plan_value = _plan(self._source, role=self._role, platform=self._platform)
+            logger.info("%s", self._plan_value.describe())
+        return self._plan_value
+
+    def __call__(self, **factory_kwargs: Any) -> Any:
+        return build_planned_moe(
+            self.plan,
+            micro_batch_yield=self.micro_batch_yield,
+            factory=self.factory,
+            **factory_kwargs,
+        )
 
 
 def afd_moe_factory(
-    afd_config: AFDConfig,
+    afd_config: AFDConfig | DeploymentPlan,
     *,
     role: AFDRole | str | None = None,
     platform: str | None = None,
     micro_batch_yield: MicroBatchYield | None = None,
     factory: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
-    """A callable with ``FusedMoEFactory``'s signature that builds this role's AFD layer."""
-    return functools.partial(
-        build_afd_moe,
-        afd_config,
-        role=role,
-        platform=platform,
-        micro_batch_yield=micro_batch_yield,
-        factory=factory,
-    )
+    """A callable with ``FusedMoEFactory``'s signature that builds this role's AFD layer.
+
+    Given an AFD config it resolves the role's plan once, at its first layer (and logs
+    it); given a plan (a role model's start-up) it uses that one.
+    """
+    return _PlannedFactory(afd_config, role, platform, micro_batch_yield, factory)

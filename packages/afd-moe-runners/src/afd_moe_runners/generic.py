@@ -16,13 +16,13 @@ without a hand-written wrapper. Its constructor
    parameter-free :class:`~afd_moe_runners.dense.RemoteDenseMLP` stand-ins and shared
    experts parameter-free placeholders (dropped after construction); on the FFN role
    attention / recurrent layers, the embedding and the LM head are parameter-free
-   placeholders. Where the connector's capabilities put the dense layers or the shared
-   experts on the Attention role (:func:`~afd_moe_runners.builder.dense_layers_on_attention`,
-   :func:`~afd_moe_runners.builder.shared_experts_on_attention`), that role builds them
-   natively and the FFN role gets the placeholders instead;
+   placeholders. Where the role's deployment plan puts the dense layers or the shared
+   experts on the Attention role (:class:`~afd_moe_runners.deployment_plan.DeploymentPlan`,
+   resolved once at start-up by :func:`~afd_moe_runners.start_up.start_role`), that role
+   builds them natively and the FFN role gets the placeholders instead;
 3. drops what the Attention role's MoE blocks must not own (shared-expert gates, unless
    the shared experts run there; the router when the gate runs on FFN, replaced by
-   :class:`~afd_moe_runners.role_model.NoGate`), and checks each role's parameter
+   :class:`~afd_moe_runners.placeholders.NoGate`), and checks each role's parameter
    inventory against the plan.
 
 Checkpoint tensors are assigned to roles by the same plan (vLLM paths after the
@@ -50,8 +50,19 @@ from afd_core.config import AFDConfig, AFDRole
 from afd_core.errors import AFDConfigError
 from afd_core.patching import scoped_globals
 from afd_core.weights import WeightOwner
-from afd_moe_runners import role_model
+from afd_moe_runners.dense import RemoteDenseMLP
+from afd_moe_runners.deployment_plan import DeploymentPlan
+from afd_moe_runners.placeholders import (
+    NoAttention,
+    NoGate,
+    NoLMHead,
+    attention_factory,
+    expert_shard_factory,
+)
+from afd_moe_runners.role_model import AFDRoleModel
+from afd_moe_runners.role_runtime import RoleRuntime
 from afd_moe_runners.split_plan import SplitPlan, dry_build, meta_tensors, plan_split
+from afd_moe_runners.start_up import afd_config_of, start_role
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +145,11 @@ def _remote_dense_class(cls: type) -> type:
 
     def __init__(self: Any, layer_idx: int) -> None:
         nn.Module.__init__(self)  # not cls.__init__: it would build the weights
-        role_model.RemoteDenseMLP._init_remote(self, layer_idx, None)
+        RemoteDenseMLP._init_remote(self, layer_idx, None)
 
     return type(
         f"Remote{cls.__name__}",
-        (role_model.RemoteDenseMLP, cls),
+        (RemoteDenseMLP, cls),
         {"__init__": __init__, "__module__": __name__},
     )
 
@@ -169,24 +180,20 @@ def _absent_class(cls: type, computed_by: AFDRole = AFDRole.FFN) -> type:
     )
 
 
-def _on_attention(afd: AFDConfig) -> tuple[bool, bool]:
-    """(dense layers, shared experts): whether the Attention role computes them, as the
-    connector's capabilities decide (:mod:`afd_moe_runners.builder`); on cpu / cuda both
-    are False (the FFN role computes them)."""
-    from afd_moe_runners.builder import dense_layers_on_attention, shared_experts_on_attention
-
-    return dense_layers_on_attention(afd), shared_experts_on_attention(afd)
-
-
 def _shared_prefixes(plan: SplitPlan) -> list[str]:
     return [f"{m}.{attr}" for m in plan.moe_prefixes() for attr in plan.moe_extra_modules]
 
 
-def _interceptions(plan: SplitPlan, afd: AFDConfig) -> dict[type, dict[str, Callable[[str], Any]]]:
-    """Per class to intercept: module path -> what to build there instead."""
+def _interceptions(
+    plan: SplitPlan, deployment: DeploymentPlan
+) -> dict[type, dict[str, Callable[[str], Any]]]:
+    """Per class to intercept: module path -> what to build there instead. Where the
+    dense layers and shared experts go is the role's deployment plan's decision (on cpu /
+    cuda the FFN role computes both)."""
     out: dict[type, dict[str, Callable[[str], Any]]] = {}
-    dense_here, shared_here = _on_attention(afd)
-    if afd.role is AFDRole.FFN:
+    dense_here = deployment.dense_layers_on_attention
+    shared_here = deployment.shared_experts_on_attention
+    if deployment.role is AFDRole.FFN:
         # What the Attention role computes (connector without hidden-only payloads; NPU
         # runners with the gate on Attention): not built here.
         local = ([*plan.dense_prefixes()] if dense_here else []) + (
@@ -197,14 +204,12 @@ def _interceptions(plan: SplitPlan, afd: AFDConfig) -> dict[type, dict[str, Call
                 local, lambda p, cls=cls: _absent_class(cls, AFDRole.ATTENTION)(p)
             )
         for cls in plan.attention_classes:
-            out[cls] = dict.fromkeys(
-                plan.attention_prefixes(), lambda p: role_model.NoAttention(prefix=p)
-            )
+            out[cls] = dict.fromkeys(plan.attention_prefixes(), lambda p: NoAttention(prefix=p))
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
         for cls in plan.embedding_classes:
             if issubclass(cls, ParallelLMHead):
-                out[cls] = dict.fromkeys(plan.lm_head_prefixes, lambda p: role_model.NoLMHead())
+                out[cls] = dict.fromkeys(plan.lm_head_prefixes, lambda p: NoLMHead())
             else:
                 out[cls] = dict.fromkeys(plan.embedding_prefixes, lambda p: PPMissingLayer())
         return out
@@ -222,24 +227,28 @@ def _interceptions(plan: SplitPlan, afd: AFDConfig) -> dict[type, dict[str, Call
 
 
 @contextlib.contextmanager
-def _role_construction(plan: SplitPlan, afd: AFDConfig, vllm_config: VllmConfig) -> Iterator[None]:
+def _role_construction(
+    plan: SplitPlan, afd: AFDConfig, deployment: DeploymentPlan, vllm_config: VllmConfig
+) -> Iterator[None]:
     """Replace, in the model's own modules, the names of the intercepted classes (and
     ``FusedMoEFactory`` on the Attention role, and on an FFN rank under FFN expert
-    parallelism) while the native constructor runs."""
+    parallelism) while the native constructor runs; the factories get the role's
+    deployment plan."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
-    intercepted = _interceptions(plan, afd)
+    intercepted = _interceptions(plan, deployment)
+    attention = deployment.role is AFDRole.ATTENTION
     ffn_factory = None
-    if afd.role is AFDRole.FFN and afd.ffn_expert_parallel:
-        ffn_factory = role_model.expert_shard_factory(afd, vllm_config, FusedMoEFactory)
+    if not attention and deployment.ffn_expert_parallel:
+        ffn_factory = expert_shard_factory(afd, vllm_config, FusedMoEFactory)
 
     def substitutions(namespace: dict[str, Any]) -> dict[str, Any]:
         subs: dict[str, Any] = {}
         for attr, value in namespace.items():
             if isinstance(value, type) and value in intercepted:
                 subs[attr] = _Intercepted(value, intercepted[value])
-            elif value is FusedMoEFactory and afd.role is AFDRole.ATTENTION:
-                subs[attr] = role_model.attention_factory(afd, FusedMoEFactory)
+            elif value is FusedMoEFactory and attention:
+                subs[attr] = attention_factory(deployment, FusedMoEFactory)
             elif value is FusedMoEFactory and ffn_factory is not None:
                 subs[attr] = ffn_factory
         return subs
@@ -263,25 +272,25 @@ def _role_construction(plan: SplitPlan, afd: AFDConfig, vllm_config: VllmConfig)
         yield
 
 
-def _strip_attention_moe(model: nn.Module, plan: SplitPlan, afd: AFDConfig) -> None:
+def _strip_attention_moe(model: nn.Module, plan: SplitPlan, deployment: DeploymentPlan) -> None:
     """Drop what an Attention-role MoE block must not own (built natively, unused)."""
-    shared_here = _on_attention(afd)[1]
+    shared_here = deployment.shared_experts_on_attention
     for path in plan.moe_prefixes():
         block = model.get_submodule(path)
         for attr in () if shared_here else plan.moe_extra_attrs:
             if getattr(block, attr, None) is not None:
                 setattr(block, attr, None)
-        if not afd.compute_gate_on_attention:
+        if not deployment.gate_on_attention:
             for attr in plan.gate_attrs:
                 if getattr(block, attr, None) is not None:
-                    setattr(block, attr, role_model.NoGate())
+                    setattr(block, attr, NoGate())
 
 
-def _strip_ffn_moe(model: nn.Module, plan: SplitPlan, afd: AFDConfig) -> None:
+def _strip_ffn_moe(model: nn.Module, plan: SplitPlan, deployment: DeploymentPlan) -> None:
     """With the shared experts on the Attention role, drop the FFN-role MoE blocks' leaf
     extras (a shared-expert gate: built natively, never run here; whole shared-expert
     modules were not built at all)."""
-    if not _on_attention(afd)[1]:
+    if not deployment.shared_experts_on_attention:
         return
     for path in plan.moe_prefixes():
         block = model.get_submodule(path)
@@ -296,7 +305,7 @@ def _default_prefix(native: type) -> str:
     return default if isinstance(default, str) else ""
 
 
-class GenericRoleModel(role_model.AFDRoleModel):
+class GenericRoleModel(AFDRoleModel):
     """Role-aware construction of any vLLM MoE model (see the module docstring).
 
     Concrete classes come from :func:`role_model_class`: ``AFD<Arch>`` subclasses this
@@ -305,23 +314,22 @@ class GenericRoleModel(role_model.AFDRoleModel):
 
     afd_native_class: ClassVar[type[nn.Module]]
     afd_plan: SplitPlan
+    afd_deployment: DeploymentPlan
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str | None = None) -> None:
         native = self.afd_native_class
         name = type(self).__name__
         prefix = _default_prefix(native) if prefix is None else prefix
-        afd = role_model.afd_config_of(vllm_config)
-        role_model.check_supported_parallelism(vllm_config, name)
-        role_model.reject_unsupported_options(
-            vllm_config, name, multimodal_capable=_is_multimodal(native)
-        )
+        afd = afd_config_of(vllm_config)
+        # The start-up checks, then the role's deployment plan (resolved once, logged).
+        deployment = start_role(vllm_config, name, multimodal_capable=_is_multimodal(native))
         plan = split_plan_of(native, vllm_config, prefix)
         if not plan.supported:
             raise AFDConfigError(
                 f"{name}: afd cannot split {native.__name__} into Attention and FFN roles: "
                 + "; ".join(plan.problems)
             )
-        with _role_construction(plan, afd, vllm_config):
+        with _role_construction(plan, afd, deployment, vllm_config):
             native.__init__(self, vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
         left = meta_tensors(self)  # type: ignore[arg-type]
         if left:
@@ -331,15 +339,17 @@ class GenericRoleModel(role_model.AFDRoleModel):
             )
         self.afd_config = afd
         self.afd_plan = plan
-        if afd.role is AFDRole.ATTENTION:
-            _strip_attention_moe(self, plan, afd)  # type: ignore[arg-type]
+        self.afd_deployment = deployment
+        if deployment.role is AFDRole.ATTENTION:
+            _strip_attention_moe(self, plan, deployment)  # type: ignore[arg-type]
         else:
-            _strip_ffn_moe(self, plan, afd)  # type: ignore[arg-type]
-        self.afd_runtime = role_model.RoleRuntime(
+            _strip_ffn_moe(self, plan, deployment)  # type: ignore[arg-type]
+        self.afd_runtime = RoleRuntime(
             self,  # type: ignore[arg-type]
             afd,
             vllm_config,
             inventory=plan.inventory,
+            plan=deployment,
         )
         logger.info(
             "AFD %s role of %s from vLLM's own model: %d MoE, %d dense layers",
@@ -354,20 +364,20 @@ class GenericRoleModel(role_model.AFDRoleModel):
 
     def afd_ffn_blocks(self) -> dict[int, nn.Module]:
         blocks = self.afd_plan.ffn_blocks(self)  # type: ignore[arg-type]
-        if _on_attention(self.afd_config)[0]:  # dense layers run on the Attention role
+        if self.afd_deployment.dense_layers_on_attention:  # run on the Attention role
             moe = self.afd_plan.moe_prefixes().values()
             blocks = {idx: block for idx, block in blocks.items() if idx in moe}
         return blocks
 
     def afd_classify_weight(self, name: str) -> WeightOwner:
-        dense_here, shared_here = _on_attention(self.afd_config)
+        deployment = self.afd_deployment
         return classify_weight(
             self.afd_native_class,
             self.afd_plan,
             name,
-            gate_on_attention=self.afd_config.compute_gate_on_attention,
-            dense_on_attention=dense_here,
-            shared_on_attention=shared_here,
+            gate_on_attention=deployment.gate_on_attention,
+            dense_on_attention=deployment.dense_layers_on_attention,
+            shared_on_attention=deployment.shared_experts_on_attention,
         )
 
 
