@@ -44,6 +44,10 @@ Nothing here imports torch at import time; prometheus_client is imported when a 
 object is made, and the Attention role's also reads the exchange op's call count
 (:func:`afd_moe_runners.exchange_op.compiled_calls`: one attention rank per process, as
 vLLM runs them) and vLLM's forward context (the current micro-batch).
+
+Over 400 lines on purpose: the catalogue above is the one reference for both roles'
+metric names and labels, and it sits with the two classes that write them (they share
+the buckets, the multiprocess set-up and the per-registry family cache).
 """
 
 from __future__ import annotations
