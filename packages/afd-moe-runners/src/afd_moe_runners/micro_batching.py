@@ -266,7 +266,7 @@ def run_micro_batches(
 
     ``plan`` None: the whole batch is micro-batch 0 (its metadata is the step's own, and
     of its rows the first ``num_tokens`` carry tokens: None all,
-    :func:`afd_moe_runners.role_model.real_token_count`) and micro-batches 1..m-1 are
+    :func:`afd_moe_runners.role_runtime.real_token_count`) and micro-batches 1..m-1 are
     shadows. Otherwise ``ctx.attn_metadata`` and ``ctx.slot_mapping`` are vLLM's
     per-micro-batch lists for ``plan`` (a planned step has no padding rows);
     micro-batches past ``len(plan)`` are shadows.
