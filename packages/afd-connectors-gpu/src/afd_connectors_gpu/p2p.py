@@ -16,7 +16,7 @@ this module only has its transports, :class:`GlooTransport` and :class:`NcclTran
 Nothing here imports torch at module import time; ``init()`` does.
 
 Over 400 lines: the NCCL transport is the gloo transport plus its device, warm-up,
-watchdog and abort rules, and the three registered classes' extra-config checks sit
+watchdog and abort rules, and the three registered classes' extra-config schemas sit
 with the transports they configure.
 """
 

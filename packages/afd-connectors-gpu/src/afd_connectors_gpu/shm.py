@@ -1,7 +1,8 @@
 """Same-host point-to-point AFD connector over shared-memory rings: ``P2pShmAFDConnector``.
 
-Control (rendezvous) goes through the same ``TCPStore`` at ``afd.host:afd.port`` as the
-gloo connector (:func:`afd_connectors_gpu.rendezvous.join_store`); data goes through one
+Control goes through afd-core's connect phase (store, admission, join), over the same
+``TCPStore`` at ``afd.host:afd.port`` as the gloo connector
+(:func:`afd_connectors_gpu.rendezvous.join_session`); data goes through one
 single-producer/single-consumer ring per (attention rank, FFN rank, direction) in POSIX
 shared memory, created by its writer. Per message the sender copies the frame
 (:mod:`afd_core.wire`) and each tensor's bytes into a ring slot (one memcpy per
@@ -51,7 +52,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from afd_connectors_gpu import futex
-from afd_connectors_gpu.rendezvous import barrier, join_store, wait_for_keys
+from afd_connectors_gpu.rendezvous import join_session
 from afd_core.connector import ConnectorCapabilities, ExtraKey
 from afd_core.errors import AFDConfigError, AFDTransferMismatchError
 from afd_core.exchange import (
@@ -294,17 +295,13 @@ class ShmTransport(Transport):
 
     def _join_rings(self) -> None:
         c = self.connector
-        topo = c.topology
         g = c.global_rank
-        store, s, deadline, desk = join_store(
-            config=c.config,
-            global_rank=g,
-            label=c.label,
-            prefix="afd-shm",
-            identity=c.identity,
+        session = join_session(
+            config=c.config, global_rank=g, label=c.label, prefix="afd-shm", identity=c.identity
         )
-        self._store = store
-        self._desk = desk
+        self._store = session.store
+        self._desk = session.desk
+        s = session.keys
         host = socket.gethostname()
         pid = os.getpid()
         s.set(f"info/{g}", json.dumps({"host": host, "pid": pid, "start": process_start(pid)}))
@@ -317,15 +314,7 @@ class ShmTransport(Transport):
                 json.dumps({"name": ring.name, "slots": ring.num_slots, "bytes": ring.slot_bytes}),
             )
         keys = [f"info/{p}" for p in self._peers] + [f"ring/{p}/{g}" for p in self._peers]
-        wait_for_keys(
-            s,
-            keys,
-            [*self._peers, *self._peers],
-            deadline,
-            "exchanging shared-memory rings",
-            topo,
-            c.where,
-        )
+        session.wait_for(keys, [*self._peers, *self._peers], "exchanging shared-memory rings")
         for peer in self._peers:
             info = json.loads(s.get(f"info/{peer}"))
             if info["host"] != host:
@@ -350,27 +339,14 @@ class ShmTransport(Transport):
                     f"{self.label}: shared-memory ring {spec['name']} of {c.describe(peer)} "
                     "does not exist here; every rank must share one /dev/shm"
                 ) from None
-        where = c.where
-        barrier(s, "attached", topology=topo, global_rank=g, deadline=deadline, where=where,
-                what="attaching the shared-memory rings")  # fmt: skip
+        session.barrier("attached", "attaching the shared-memory rings")
         # Every reader has mapped its rings: remove the names, so nothing is left in
         # /dev/shm whatever happens to the processes later.
         for ring in self._out.values():
             ring.unlink()
         # Attention rank 0 hosts the store: it leaves only after everyone has passed
         # the barrier above.
-        s.set(f"seen/{g}", "1")
-        if g == 0:
-            ranks = list(range(topo.world_size))
-            wait_for_keys(
-                s,
-                [f"seen/{r}" for r in ranks],
-                ranks,
-                deadline + c.config.connect_timeout_s,
-                "leaving the rendezvous",
-                topo,
-                where,
-            )
+        session.leave()
 
     def _check_shm_space(self) -> None:
         need = len(self._peers) * _Ring.size_of(self.num_slots, self.slot_bytes)
