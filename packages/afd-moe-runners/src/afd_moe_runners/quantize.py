@@ -33,8 +33,9 @@ most 2**-10 x scale; int8 by at most half a scale (amax / 254). ``mxfp8`` adds t
 rule's saturation: a scaled value in [448, 512) becomes 448, off by at most 1/8 of itself
 (``fp8`` and ``int8`` scale each row by its own amax and never saturate).
 
-This module imports torch only inside its functions (afd-core imports neither torch nor
-vLLM at import time); :func:`transfer_format` and :func:`bytes_per_token` need no torch.
+The codecs live with the runners (which build and read the exchange's payloads; afd-core
+imports neither torch nor vLLM). Torch is imported inside the functions, so
+:func:`transfer_format` and :func:`bytes_per_token` are cheap to import.
 """
 
 from __future__ import annotations
