@@ -398,3 +398,24 @@ def test_afd_config_of_parses_each_section_once_per_process() -> None:
     assert afd_config_of(SimpleNamespace(additional_config=None)) is None
     with pytest.raises(AFDConfigError, match="unknown key 'nope'"):
         afd_config_of(engine({"role": "ffn", "nope": 1}))
+
+
+def test_afd_plugin_async_key_follows_its_rule() -> None:
+    """afd-plugin's ``async`` (alias of its ``async_dp``): a bool, true only with
+    CAMAsyncAFDConnector; accepted with that meaning, nothing else changes."""
+    base = {"afd_role": "attention", "afd_connector": "CAMAsyncAFDConnector"}
+    for key in ("async", "async_dp"):
+        for value in (True, False):
+            config = AFDConfig.parse({**base, key: value})
+            assert config == AFDConfig.parse(base)
+    assert AFDConfig.parse({"role": "ffn", "async": False}).connector == "P2pGlooAFDConnector"
+    with pytest.raises(
+        AFDConfigError,
+        match=r"afd\.async: true requires connector "
+        r"'CAMAsyncAFDConnector'.*got 'P2pNcclAFDConnector'.*drop 'async'",
+    ):
+        AFDConfig.parse({"role": "attention", "connector": "P2pNcclAFDConnector", "async": True})
+    with pytest.raises(AFDConfigError, match=r"afd\.async_dp: expected a bool"):
+        AFDConfig.parse({**base, "async_dp": "yes"})
+    with pytest.raises(AFDConfigError, match="given twice, as 'async' and 'async_dp'"):
+        AFDConfig.parse({**base, "async": True, "async_dp": True})

@@ -654,3 +654,16 @@ def test_role_tmp_dir_is_short_enough_for_ipc_sockets(tmp_path: Path) -> None:
 
         shutil.rmtree(long_tmp)
         shutil.rmtree(Path("/tmp") / tmp_path.name)
+
+
+def test_afd_plugin_async_key_in_a_spec() -> None:
+    """afd-plugin's ``async`` in a spec's [afd]: false accepted, true refused in one line
+    without CAMAsyncAFDConnector (afd_core.config.ASYNC_KEYS)."""
+    spec = DeploymentSpec.from_dict({"model": "/tmp/m", "afd": {"async": False}})
+    assert spec.afd == DeploymentSpec.from_dict({"model": "/tmp/m"}).afd
+    with pytest.raises(
+        SpecError,
+        match=r"^afd\.async: true requires connector "
+        r"'CAMAsyncAFDConnector' .*got none named",
+    ):
+        DeploymentSpec.from_dict({"model": "/tmp/m", "afd": {"async": True}})

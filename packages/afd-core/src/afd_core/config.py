@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
+    "ASYNC_KEYS",
     "CONFIG_ALIASES",
     "AFDRole",
     "RoutingPayload",
@@ -71,6 +72,13 @@ CONFIG_ALIASES: Mapping[str, str] = MappingProxyType(
     }
 )
 """Key names of the upstream AFD plugin, accepted for compatibility -> canonical field."""
+
+ASYNC_KEYS = ("async", "async_dp")
+"""afd-plugin's ``async`` (its field ``async_dp``): async data-parallel runtime patches,
+only with ``CAMAsyncAFDConnector``. afd runs data-parallel attention ranks without
+patching vLLM and its ``CAMAsyncAFDConnector`` overlaps on its own, so the key is accepted
+with afd-plugin's rule (true only with that connector) and changes nothing else."""
+ASYNC_CONNECTOR = "CAMAsyncAFDConnector"
 
 # Fields whose value changes the compiled graph / the wire protocol (see compute_hash).
 _GRAPH_FIELDS = (
@@ -143,6 +151,19 @@ def _check_allow(value: Any) -> tuple[str, ...]:
                 f"afd.fingerprint_allow: unknown field {item!r}; {hint}fields: {', '.join(valid)}"
             )
     return tuple(items)
+
+
+def _check_async(key: str, value: Any, connector: Any) -> None:
+    """afd-plugin's ``async`` / ``async_dp`` (see :data:`ASYNC_KEYS`): a bool; true only
+    with ``CAMAsyncAFDConnector``, as afd-plugin requires."""
+    if not isinstance(value, bool):
+        raise _fail(key, "a bool (true or false)", value)
+    if value and connector != ASYNC_CONNECTOR:
+        raise AFDConfigError(
+            f"afd.{key}: true requires connector {ASYNC_CONNECTOR!r} (afd-plugin's rule), got "
+            f"{'none named' if connector is None else repr(connector)}; afd needs no async "
+            f"data-parallel patches on other connectors: drop {key!r}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,12 +321,20 @@ class AFDConfig:
         valid = cls.field_names()
         values: dict[str, Any] = {}
         given_as: dict[str, str] = {}
+        async_given: tuple[str, Any] | None = None
         for key, value in mapping.items():
             if not isinstance(key, str):
                 raise AFDConfigError(
                     f"afd: expected string keys, got key {_describe(key)}; "
                     f"valid keys: {', '.join(valid)}"
                 )
+            if key in ASYNC_KEYS:
+                if async_given is not None:
+                    raise AFDConfigError(
+                        f"afd.async: given twice, as {async_given[0]!r} and {key!r}; keep one"
+                    )
+                async_given = (key, value)
+                continue
             canonical = CONFIG_ALIASES.get(key, key)
             if canonical not in valid:
                 candidates = [*valid, *CONFIG_ALIASES]
@@ -322,6 +351,8 @@ class AFDConfig:
                 )
             given_as[canonical] = key
             values[canonical] = value
+        if async_given is not None:
+            _check_async(*async_given, values.get("connector"))
         return values
 
     @classmethod

@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from afd.launch.errors import SpecError
-from afd_core.config import AFDConfig
+from afd_core.config import ASYNC_KEYS, AFDConfig
 from afd_core.errors import AFDConfigError
 from afd_core.roles import AFDRole
 
@@ -65,7 +65,11 @@ def _from_table(table: Any) -> tuple[dict[str, Any], bool]:
         raise SpecError(f"afd: expected a table of afd keys, got {table!r}")
     try:  # afd-core resolves the aliases (and refuses unknown keys, a key given twice)
         values = AFDConfig.canonical(table)
-        names = {key: next(iter(AFDConfig.canonical({key: None}))) for key in table}
+        names = {  # afd-plugin's async keys name no field (afd_core.config.ASYNC_KEYS)
+            key: next(iter(AFDConfig.canonical({key: None})))
+            for key in table
+            if key not in ASYNC_KEYS
+        }
     except AFDConfigError as exc:
         raise SpecError(str(exc)) from None
     for key, name in names.items():  # afd_port: port
