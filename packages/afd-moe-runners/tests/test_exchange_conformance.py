@@ -15,7 +15,9 @@ Attention side on the wrapper:
   parallelism): every attention rank exchanges with every FFN rank through one plane
   connector each (``AFDConfig.expert_plane``) and sums the partial answers.
 
-Which scenarios apply (:data:`NOT_APPLICABLE` says why the others do not):
+Which scenarios apply (:data:`NOT_APPLICABLE` says why any other would not): a
+follower's receive with no send before it, or one its leader's connector fails (times
+out, is closed), raises what the leader raised: the leader broadcasts the failure.
 
 ================================  ====  ====
 scenario                          TP    EP
@@ -28,11 +30,11 @@ routing_token_ids                 yes   yes
 fan_in_split                      yes   yes
 shared_output                     yes   yes
 header_mismatch                   yes   yes
-receive_timeout_attention         no    yes
+receive_timeout_attention         yes   yes
 receive_timeout_ffn               yes   yes
 ffn_idle_wait                     yes   yes
 started_step_is_bounded           yes   yes
-close_unblocks_receive            no    yes
+close_unblocks_receive            yes   yes
 ================================  ====  ====
 
 on every suite topology for TP, on those with one FFN rank for EP (:data:`EP_TOPOLOGIES`).
@@ -60,18 +62,8 @@ from afd_moe_runners.tensor_parallel import TensorParallelExchange
 
 conformance = pytest.importorskip("afd_core.testing.conformance")
 
-_FOLLOWER = (
-    "the scenario receives with no send before it: the leader's connector receives anyway "
-    "(it times out, or is closed, as the exchange protocol says), but a follower has no "
-    "connector and nothing it sent to size the broadcast by, so it raises at once "
-    "(a transfer mismatch: a receive without a send); the check wants the timeout or "
-    "the close on every worker"
-)
 NOT_APPLICABLE: dict[str, dict[str, str]] = {
-    "tp": {
-        "receive_timeout_attention": _FOLLOWER,
-        "close_unblocks_receive": _FOLLOWER,
-    },
+    "tp": {},
     "ep": {},
 }
 """Scenario -> why it does not apply to the wrapper (the others run)."""

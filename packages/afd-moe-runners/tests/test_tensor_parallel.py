@@ -9,6 +9,7 @@ FFN role is an in-process loopback connector in a third thread that answers
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from afd_core.config import AFDConfig
-from afd_core.errors import AFDConfigError, AFDTransferMismatchError
+from afd_core.errors import AFDConfigError, AFDTimeoutError, AFDTransferMismatchError
 from afd_core.testing.loopback import LoopbackAFDConnector
 from afd_core.transfer import AttentionToFFN, FFNToAttention
 from afd_moe_runners.tensor_parallel import TensorParallelExchange
@@ -160,6 +161,56 @@ def test_a_follower_that_ran_another_batch_fails_loudly() -> None:
     server.join(30)
     assert len(caught) == 1
     assert "TP rank 0 received 4 rows from the FFN role, this worker sent 3" in str(caught[0])
+    for conn in (leader, follower, ffn):
+        conn.close()
+
+
+def test_a_leader_timeout_reaches_the_follower_as_a_timeout() -> None:
+    """The FFN role never answers: the leader's receive times out, and its follower,
+    waiting in the header's broadcast, raises the same error at once (it used to wait
+    in a broadcast the leader never joined, until the TP group's own timeout)."""
+    attn_cfg, ffn_cfg = _configs()
+    ffn = LoopbackAFDConnector(ffn_cfg, rank=0)
+    broadcasts = _gloo_broadcasts(2)
+    leader = TensorParallelExchange(
+        attn_cfg,
+        rank=0,
+        tp_rank=0,
+        tp_size=2,
+        inner=LoopbackAFDConnector(attn_cfg, rank=0),
+        broadcast=broadcasts[0],
+    )
+    follower = TensorParallelExchange(
+        attn_cfg, rank=0, tp_rank=1, tp_size=2, inner=None, broadcast=broadcasts[1]
+    )
+    ffn.init()
+    leader.init()
+    caught: dict[str, BaseException] = {}
+    elapsed: dict[str, float] = {}
+
+    def run(name: str, conn: TensorParallelExchange) -> None:
+        conn.send_to_ffn(AttentionToFFN(torch.zeros(3, HIDDEN)), layer_idx=0)
+        start = time.monotonic()
+        try:
+            conn.recv_from_ffn(layer_idx=0, timeout_s=0.5)
+        except BaseException as exc:
+            caught[name] = exc
+        elapsed[name] = time.monotonic() - start
+
+    threads = [
+        threading.Thread(target=run, args=("leader", leader)),
+        threading.Thread(target=run, args=("follower", follower)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert isinstance(caught.get("leader"), AFDTimeoutError), caught
+    assert isinstance(caught.get("follower"), AFDTimeoutError), caught
+    assert "TP rank 0's exchange with the FFN role failed with AFDTimeoutError" in str(
+        caught["follower"]
+    )
+    assert elapsed["follower"] < 5.0, elapsed
     for conn in (leader, follower, ffn):
         conn.close()
 

@@ -29,7 +29,14 @@ import torch
 
 from afd_core.config import AFDConfig
 from afd_core.connector import AFDConnector, FFNBatch
-from afd_core.errors import AFDConfigError, AFDTransferMismatchError
+from afd_core.errors import (
+    AFDConfigError,
+    AFDConnectorClosedError,
+    AFDConnectorError,
+    AFDPeerLostError,
+    AFDTimeoutError,
+    AFDTransferMismatchError,
+)
 from afd_core.transfer import AttentionToFFN, FFNToAttention
 from afd_moe_runners.exchange import pop_sent
 
@@ -52,8 +59,34 @@ def vllm_tp_broadcast() -> Broadcast:
     return broadcast
 
 
-# Header broadcast before each answer: [has_shared_output, rows].
-_HEADER_LEN = 2
+# Header broadcast before each answer: [status, rows, hidden, dtype code]. A status >= 0
+# says whether a shared output follows (0 or 1); a negative one that the leader's
+# exchange failed, and how (:data:`_FAILURES`), so the followers raise the same error
+# instead of waiting in a broadcast the leader never joins.
+_HEADER_LEN = 4
+_FAILURES: tuple[type[AFDConnectorError], ...] = (
+    AFDTimeoutError,
+    AFDConnectorClosedError,
+    AFDPeerLostError,
+    AFDTransferMismatchError,
+    AFDConnectorError,
+)
+"""Status ``-(i + 1)``: the leader raised ``_FAILURES[i]`` (the first that matches)."""
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.int8,
+)
+
+
+def _failure_status(exc: BaseException) -> int:
+    for i, kind in enumerate(_FAILURES):
+        if isinstance(exc, kind):
+            return -(i + 1)
+    return -len(_FAILURES)
 
 
 class TensorParallelExchange(AFDConnector):
@@ -94,6 +127,13 @@ class TensorParallelExchange(AFDConnector):
         # (layer, micro-batch) -> (rows, hidden, dtype, device) of what this worker would
         # have sent: a follower sizes its receive buffers from it.
         self._sent: dict[tuple[int, int], tuple[int, int, torch.dtype, torch.device]] = {}
+        # Where the broadcasts' buffers live: the device of the last send (the TP group's
+        # device); before any send, the accelerator's if there is one.
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         if inner is not None:
             self.identity = inner.identity
 
@@ -140,50 +180,79 @@ class TensorParallelExchange(AFDConnector):
         assert isinstance(hidden, torch.Tensor)
         rows, size = int(hidden.shape[0]), int(hidden.shape[1])
         self._sent[(layer_idx, micro_batch_idx)] = (rows, size, hidden.dtype, hidden.device)
+        self._device = hidden.device
         if self.inner is not None:
             self.inner.send_to_ffn(payload, layer_idx=layer_idx, micro_batch_idx=micro_batch_idx)
 
     def recv_from_ffn(
         self, *, layer_idx: int, micro_batch_idx: int = 0, timeout_s: float | None = None
     ) -> FFNToAttention:
-        if (layer_idx, micro_batch_idx) not in self._sent and self.inner is not None:
-            # No send of this layer: as the exchange protocol does, the rank's connector
-            # receives anyway, to say which answer really arrived (getting past it, so its
-            # stream stays in step) or to time out; a follower cannot know and says so.
-            self.inner.recv_from_ffn(
-                layer_idx=layer_idx, micro_batch_idx=micro_batch_idx, timeout_s=timeout_s
-            )
-        rows, size, dtype, device = pop_sent(self._sent, self.label, layer_idx, micro_batch_idx)
-        header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=device)
         if self.inner is not None:
+            return self._leader_recv(layer_idx, micro_batch_idx, timeout_s)
+        return self._follower_recv(layer_idx, micro_batch_idx)
+
+    def _leader_recv(self, layer: int, mb: int, timeout_s: float | None) -> FFNToAttention:
+        assert self.inner is not None
+        header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self._device)
+        try:
+            if (layer, mb) not in self._sent:
+                # No send of this layer: as the exchange protocol does, the rank's
+                # connector receives anyway, to say which answer really arrived (getting
+                # past it, so its stream stays in step) or to time out.
+                self.inner.recv_from_ffn(layer_idx=layer, micro_batch_idx=mb, timeout_s=timeout_s)
+            pop_sent(self._sent, self.label, layer, mb)
             result = self.inner.recv_from_ffn(
-                layer_idx=layer_idx, micro_batch_idx=micro_batch_idx, timeout_s=timeout_s
+                layer_idx=layer, micro_batch_idx=mb, timeout_s=timeout_s
             )
-            output, shared = result.output, result.shared_output
-            assert isinstance(output, torch.Tensor)
-            header[0] = int(shared is not None)
-            header[1] = int(output.shape[0])
-            self._bcast(header)
-            if shared is None:
-                self._bcast(output.contiguous())
-                return result
-            assert isinstance(shared, torch.Tensor)
-            both = torch.stack((output, shared)).contiguous()
-            self._bcast(both)
-            return FFNToAttention(both[0], shared_output=both[1])
+        except BaseException as exc:
+            # Tell the followers, which wait in the header's broadcast, then raise here.
+            header[0] = _failure_status(exc)
+            try:
+                self._bcast(header)
+            except Exception as bcast_exc:  # the original error is the one to report
+                exc.add_note(f"{self.label}: telling the TP followers failed: {bcast_exc!r}")
+            raise
+        output, shared = result.output, result.shared_output
+        assert isinstance(output, torch.Tensor)
+        header[0] = int(shared is not None)
+        header[1], header[2] = int(output.shape[0]), int(output.shape[1])
+        header[3] = _DTYPES.index(output.dtype)
         self._bcast(header)
-        has_shared, got_rows = int(header[0]), int(header[1])
+        if shared is None:
+            self._bcast(output.contiguous())
+            return result
+        assert isinstance(shared, torch.Tensor)
+        both = torch.stack((output, shared)).contiguous()
+        self._bcast(both)
+        return FFNToAttention(both[0], shared_output=both[1])
+
+    def _follower_recv(self, layer: int, mb: int) -> FFNToAttention:
+        sent = self._sent.pop((layer, mb), None)
+        header = self._bcast(torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self._device))
+        status = int(header[0])
+        if status < 0:
+            kind = _FAILURES[-status - 1]
+            raise kind(
+                f"{self.label}: layer {layer} micro-batch {mb}: TP rank 0's exchange with the "
+                f"FFN role failed with {kind.__name__} (its log says why)"
+            )
+        got_rows, size, dtype = int(header[1]), int(header[2]), _DTYPES[int(header[3])]
         # Take part in the answer's broadcast whatever it holds (the leader must not
         # hang), then check it answers what this worker computed.
-        shape = (2, got_rows, size) if has_shared else (got_rows, size)
-        answer = self._bcast(torch.empty(shape, dtype=dtype, device=device))
+        shape = (2, got_rows, size) if status else (got_rows, size)
+        answer = self._bcast(torch.empty(shape, dtype=dtype, device=self._device))
+        if sent is None:
+            raise AFDTransferMismatchError(
+                f"{self.label}: receive for layer {layer} micro-batch {mb} without a send"
+            )
+        rows = sent[0]
         if got_rows != rows:
             raise AFDTransferMismatchError(
-                f"{self.label}: layer {layer_idx} micro-batch {micro_batch_idx}: TP rank 0 "
+                f"{self.label}: layer {layer} micro-batch {mb}: TP rank 0 "
                 f"received {got_rows} rows from the FFN role, this worker sent {rows}; the "
                 "TP workers of one attention rank must run the same batch"
             )
-        if not has_shared:
+        if not status:
             return FFNToAttention(answer)
         return FFNToAttention(answer[0], shared_output=answer[1])
 
