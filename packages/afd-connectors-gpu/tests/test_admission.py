@@ -188,6 +188,40 @@ def test_allowed_differences_and_settings_mismatches() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("field", "ffn_value", "expected"),
+    [
+        (
+            "transfer_dtype",
+            "fp8",
+            "transfer_dtype: attention rank 0 has 'model', ffn rank 0 has 'fp8'",
+        ),
+        (
+            "transfer_dtype_return",
+            "mxfp8",
+            "transfer_dtype_return: attention rank 0 has 'model', ffn rank 0 has 'mxfp8'",
+        ),
+    ],
+)
+def test_a_transfer_dtype_mismatch_is_refused_at_join_naming_both_values(
+    field: str, ffn_value: str, expected: str
+) -> None:
+    """Fingerprint drill (issue 44): an FFN rank started with another transfer dtype than
+    the Attention role would dequantize bytes the other side never quantized; it is
+    refused when it joins, the message naming the field and both values."""
+    topology = AFDTopology(1, 1)
+    results, took = _join_all(free_port(), topology, {1: {field: ffn_value}})
+    for g in (0, 1):
+        assert isinstance(results[g], AFDFingerprintMismatchError), results
+        assert expected in str(results[g])
+        assert took[g] < 10.0
+    # The same values on both sides join.
+    same = {g: {field: ffn_value} for g in (0, 1)}
+    results, _ = _join_all(free_port(), topology, same)
+    assert all(isinstance(r, tuple) for r in results.values()), results
+    results[0][3].stop()
+
+
 def _listening_addresses(port: int) -> list[str]:
     """Local addresses (hex, as /proc/net/tcp writes them) listening on ``port``."""
     found = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from types import MappingProxyType
 from typing import Any
@@ -10,7 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afd_core.config import CONFIG_ALIASES, AFDConfig, AFDRole, RoutingPayload
+from afd_core.config import (
+    CONFIG_ALIASES,
+    AFDConfig,
+    AFDRole,
+    RoutingPayload,
+    additional_config_json,
+)
 from afd_core.errors import AFDConfigError
 
 FIELDS = AFDConfig.field_names()
@@ -138,6 +145,16 @@ MALFORMED: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
         ("afd.num_micro_batches", "0 (int)", ">= 1"),
     ),
     ("section_not_mapping", ["role"], ("afd:", "['role'] (list)", "a mapping")),
+    (
+        "transfer_dtype_unknown",
+        {"role": "ffn", "transfer_dtype": "fp4"},
+        ("afd.transfer_dtype", "'fp4' (str)", "'model', 'fp8', 'mxfp8', 'int8'"),
+    ),
+    (
+        "transfer_dtype_return_not_str",
+        {"role": "ffn", "transfer_dtype_return": 8},
+        ("afd.transfer_dtype_return", "8 (int)", "'mxfp8'"),
+    ),
 ]
 
 
@@ -265,7 +282,22 @@ def test_compute_hash_tracks_graph_fields_only() -> None:
     )
     gate = AFDConfig(role=AFDRole.ATTENTION, compute_gate_on_attention=True)
     assert base.compute_hash() != gate.compute_hash()
+    for key in ("transfer_dtype", "transfer_dtype_return"):
+        quantized = AFDConfig(role=AFDRole.ATTENTION, **{key: "fp8"})
+        assert base.compute_hash() != quantized.compute_hash()
     assert len(base.compute_hash()) == 16
+
+
+def test_transfer_dtypes_are_normalised_and_reach_the_role_process() -> None:
+    config = AFDConfig.from_additional_config(
+        {"afd": {"role": "attention", "transfer_dtype": " FP8 ", "transfer_dtype_return": "int8"}}
+    )
+    assert (config.transfer_dtype, config.transfer_dtype_return) == ("fp8", "int8")
+    section = json.loads(additional_config_json(config))["afd"]
+    assert section["transfer_dtype"] == "fp8" and section["transfer_dtype_return"] == "int8"
+    assert AFDConfig.parse(section) == config
+    # The default (model) is not written: the process reads the default back.
+    assert "transfer_dtype" not in AFDConfig(role=AFDRole.FFN).to_section()
 
 
 def test_topology_property_matches_rank_counts() -> None:
@@ -300,6 +332,8 @@ def valid_sections(draw: st.DrawFn) -> dict[str, Any]:
         "port": draw(st.integers(1, 65535)),
         "num_micro_batches": draw(st.integers(1, 8)),
         "micro_batch_min_tokens": draw(st.integers(0, 4096)),
+        "transfer_dtype": draw(st.sampled_from(["model", "fp8", "mxfp8", "int8"])),
+        "transfer_dtype_return": draw(st.sampled_from(["model", "fp8", "mxfp8", "int8"])),
         "connect_timeout_s": draw(_timeouts),
         "transfer_timeout_s": draw(_timeouts),
         "connector_extra_config": draw(

@@ -71,6 +71,7 @@ def test_defaults_are_tiny_cpu_friendly() -> None:
         ({"afd": {"rank": 1}}, r"afd.rank: set by the launcher"),
         ({"afd": {"afd_port": 1}}, r"afd.afd_port: set by the launcher; use .*connector_port"),
         ({"afd": {"routing_payload": "bogus"}}, r"afd.routing_payload: expected one of"),
+        ({"afd": {"transfer_dtype": "fp4"}}, r"afd.transfer_dtype: expected one of 'model'"),
         ({"afd": {"conect_timeout_s": 1}}, r"conect_timeout_s"),
         ({"native": True, "num_attention": 2, "num_ffn": 1}, r"native: a native baseline"),
         ({"ffn": {"modle": "x"}}, r"ffn: unknown key 'modle' \(did you mean 'model'\?\)"),
@@ -80,6 +81,49 @@ def test_defaults_are_tiny_cpu_friendly() -> None:
 def test_invalid_specs_fail_with_clear_errors(kwargs: dict, match: str) -> None:
     with pytest.raises(SpecError, match=match):
         DeploymentSpec(model="/m", **kwargs)
+
+
+_NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+
+
+def test_ngram_speculation_in_a_spec_passes_to_the_roles() -> None:
+    spec = DeploymentSpec(model="/m", num_attention=2, vllm_args=["--speculative-config", _NGRAM])
+    assert spec.engine_args()[-2:] == ["--speculative-config", _NGRAM]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"vllm_args": ["--speculative-config", '{"method": "deepseek_mtp"}']},
+            "vllm_args: speculative decoding method 'mtp' is not supported by afd (its drafter",
+        ),
+        (
+            {"attention": {"vllm_args": ["--spec-method", "eagle3", "--spec-model", "e"]}},
+            "attention.vllm_args: speculative decoding method 'eagle3' is not supported",
+        ),
+        (
+            {"vllm_args": ["-sc", _NGRAM], "afd": {"num_micro_batches": 2}},
+            "vllm_args: afd.num_micro_batches=2 cannot be combined with speculative decoding",
+        ),
+        (
+            {"vllm_args": ["--speculative-config", "ngram"]},
+            "vllm_args: --speculative-config: expected a JSON object, got 'ngram'",
+        ),
+    ],
+)
+def test_wrong_speculation_is_refused_before_anything_starts_in_one_line(
+    kwargs: dict, message: str
+) -> None:
+    with pytest.raises(SpecError) as refused:
+        DeploymentSpec(model="/m", **kwargs)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+def test_a_native_baseline_takes_any_speculation() -> None:
+    """The native baseline is plain vLLM: its speculative config is vLLM's business."""
+    mtp = ["--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 1}']
+    assert DeploymentSpec(model="/m", native=True, vllm_args=mtp).engine_args()[-2:] == mtp
 
 
 def test_upstream_aliases_in_afd_are_resolved_once() -> None:
@@ -122,6 +166,15 @@ def test_afd_section_per_process() -> None:
     # what the role's command carries parses back to the same settings
     assert AFDConfig.from_additional_config(json.loads(additional_config_json(afd))) == afd
     assert spec.afd_config("ffn", 0, port=1234).rank == 0
+
+
+def test_transfer_dtypes_of_a_spec_reach_both_roles() -> None:
+    spec = DeploymentSpec(
+        model="/m", afd={"transfer_dtype": "mxfp8", "transfer_dtype_return": "fp8"}
+    )
+    for role in ("attention", "ffn"):
+        afd = spec.afd_config(role, 0, port=1234)
+        assert (afd.transfer_dtype, afd.transfer_dtype_return) == ("mxfp8", "fp8")
 
 
 _PER_PROCESS_CHECKED = (

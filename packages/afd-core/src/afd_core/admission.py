@@ -162,6 +162,8 @@ def config_fields(config: AFDConfig) -> dict[str, str]:
         "routing_payload": (
             config.routing_payload.value if config.compute_gate_on_attention else "none"
         ),
+        "transfer_dtype": config.transfer_dtype,
+        "transfer_dtype_return": config.transfer_dtype_return,
     }
 
 

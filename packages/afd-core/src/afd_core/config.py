@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from afd_core.errors import AFDConfigError, did_you_mean
 from afd_core.identity import FINGERPRINT_FIELDS
 from afd_core.roles import AFDRole
+from afd_core.transfer_dtype import TRANSFER_DTYPES
 
 if TYPE_CHECKING:
     from afd_core.topology import AFDTopology
@@ -87,6 +88,8 @@ _GRAPH_FIELDS = (
     "routing_payload",
     "num_micro_batches",
     "connector",
+    "transfer_dtype",
+    "transfer_dtype_return",
 )
 
 
@@ -136,6 +139,12 @@ def _check_enum(name: str, value: Any, enum_cls: type[AFDRole] | type[RoutingPay
         except ValueError:
             pass
     raise _fail(name, f"one of {allowed}", value)
+
+
+def _check_transfer_dtype(name: str, value: Any) -> str:
+    if isinstance(value, str) and value.strip().lower() in TRANSFER_DTYPES:
+        return value.strip().lower()
+    raise _fail(name, f"one of {', '.join(repr(v) for v in TRANSFER_DTYPES)}", value)
 
 
 def _check_allow(value: Any) -> tuple[str, ...]:
@@ -191,6 +200,13 @@ class AFDConfig:
     compute_gate_on_attention: bool = False
     routing_payload: RoutingPayload = RoutingPayload.TOPK
     num_micro_batches: int = 1
+    transfer_dtype: str = "model"
+    """Format of the hidden states Attention sends to FFN (afd_core.transfer_dtype):
+    ``model`` (the model dtype, as computed), ``fp8`` (float8_e4m3fn, one float32 scale
+    per token), ``mxfp8`` (float8_e4m3fn, one E8M0 scale per 32 elements) or ``int8``
+    (per-token symmetric). The receiver dequantizes to the model dtype."""
+    transfer_dtype_return: str = "model"
+    """Format of the FFN's answers to Attention (same values as ``transfer_dtype``)."""
     micro_batch_min_tokens: int = 0
     """The Attention role splits a step into micro-batches only when it schedules at least
     this many tokens (0: whenever it has at least ``num_micro_batches`` requests); smaller
@@ -258,6 +274,11 @@ class AFDConfig:
                 "got 'router_logits' (str)"
             )
         put("num_micro_batches", _check_int("num_micro_batches", self.num_micro_batches, 1))
+        put("transfer_dtype", _check_transfer_dtype("transfer_dtype", self.transfer_dtype))
+        put(
+            "transfer_dtype_return",
+            _check_transfer_dtype("transfer_dtype_return", self.transfer_dtype_return),
+        )
         put(
             "micro_batch_min_tokens",
             _check_int("micro_batch_min_tokens", self.micro_batch_min_tokens, 0),

@@ -59,6 +59,8 @@ FINGERPRINT_FIELDS: tuple[str, ...] = (
     "norm_topk_prob",
     "gate_on_attention",
     "routing_payload",
+    "transfer_dtype",
+    "transfer_dtype_return",
     "shared_experts",
     "checkpoint",
 )

@@ -33,16 +33,25 @@ most 2**-10 x scale; int8 by at most half a scale (amax / 254). ``mxfp8`` adds t
 rule's saturation: a scaled value in [448, 512) becomes 448, off by at most 1/8 of itself
 (``fp8`` and ``int8`` scale each row by its own amax and never saturate).
 
-The codecs live with the runners (which build and read the exchange's payloads; afd-core
-imports neither torch nor vLLM). Torch is imported inside the functions, so
-:func:`transfer_format` and :func:`bytes_per_token` are cheap to import.
+The formats (names, element and scale dtypes, block) are the wire contract
+:mod:`afd_core.transfer_dtype`, re-exported here; the codecs live with the runners (which
+build and read the exchange's payloads; afd-core imports neither torch nor vLLM). Torch is
+imported inside the functions, so :func:`bytes_per_token` is cheap to import.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from afd_core.transfer_dtype import (
+    MX_BLOCK,
+    TRANSFER_DTYPES,
+    TransferFormat,
+    format_of_wire,
+    scale_columns,
+    transfer_format,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -55,14 +64,13 @@ __all__ = [
     "E8M0_NAN",
     "TransferFormat",
     "transfer_format",
+    "format_of_wire",
     "scale_columns",
     "bytes_per_token",
     "quantize",
     "dequantize",
 ]
 
-MX_BLOCK = 32
-"""Elements per shared scale of ``mxfp8`` (the OCP MX block size)."""
 FP8_E4M3_MAX = 448.0
 """The largest finite float8_e4m3fn value."""
 _FP8_E4M3_EMAX = 8
@@ -72,50 +80,6 @@ E8M0_BIAS = 127
 """E8M0 stores the exponent ``e`` of ``2**e`` as the byte ``e + 127``."""
 E8M0_NAN = 255
 """The E8M0 byte that means NaN."""
-
-
-@dataclass(frozen=True, slots=True)
-class TransferFormat:
-    """A transfer dtype's layout on the wire."""
-
-    name: str
-    element_dtype: str | None
-    """Wire dtype name of the elements (``None``: the model dtype, not quantized)."""
-    scale_dtype: str | None
-    """Wire dtype name of the scales (``None``: no scales)."""
-    block: int | None
-    """Elements per scale along the row (``None``: one scale per row)."""
-
-    @property
-    def quantized(self) -> bool:
-        return self.element_dtype is not None
-
-
-_FORMATS = {
-    "model": TransferFormat("model", None, None, None),
-    "fp8": TransferFormat("fp8", "float8_e4m3fn", "float32", None),
-    "mxfp8": TransferFormat("mxfp8", "float8_e4m3fn", "uint8", MX_BLOCK),
-    "int8": TransferFormat("int8", "int8", "float32", None),
-}
-TRANSFER_DTYPES = tuple(_FORMATS)
-"""The accepted values of ``afd.transfer_dtype`` / ``afd.transfer_dtype_return``."""
-
-
-def transfer_format(name: str) -> TransferFormat:
-    """The format called ``name``; a ValueError naming the accepted values otherwise."""
-    try:
-        return _FORMATS[name]
-    except KeyError:
-        raise ValueError(
-            f"transfer dtype {name!r} is not one of {', '.join(TRANSFER_DTYPES)}"
-        ) from None
-
-
-def scale_columns(fmt: TransferFormat, hidden: int) -> int:
-    """Scales per row of a ``[tokens, hidden]`` tensor in ``fmt`` (0: not quantized)."""
-    if not fmt.quantized:
-        return 0
-    return 1 if fmt.block is None else math.ceil(hidden / fmt.block)
 
 
 _SCALE_BYTES = {"float32": 4, "uint8": 1}
