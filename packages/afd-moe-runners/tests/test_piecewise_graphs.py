@@ -126,18 +126,26 @@ class Harness:
             torch._dynamo.mark_dynamic(x, 0)
             return self.compiled(x).clone()
 
-    def eager(self, x: Any) -> Any:
-        """The uncompiled model on ``x`` (every row a token)."""
+    def eager(self, x: Any, rows: int | None = None) -> Any:
+        """The uncompiled model on ``x`` (every row a token), padded with zero rows to
+        ``rows`` as the compiled step was: the traced layers' kernels may depend on the
+        row count (CPU GEMMs without AMX pick their blocking by it), so "equals eager"
+        compares the same batch. Only ``x``'s rows are returned (and sent to the FFN)."""
         import torch
         from vllm.config import CUDAGraphMode
         from vllm.forward_context import get_forward_context
 
         from afd_core.forward_context import AFDStepMetadata, set_step_metadata
 
-        n = x.shape[0]
-        with torch.no_grad(), self.context(n, n, CUDAGraphMode.NONE):
-            set_step_metadata(get_forward_context(), AFDStepMetadata(connector=self.attention))
-            return self.model(x.clone())
+        real = x.shape[0]
+        n = real if rows is None else rows
+        padded = torch.zeros(n, x.shape[1], dtype=x.dtype)
+        padded[:real] = x
+        with torch.no_grad(), self.context(n, real, CUDAGraphMode.NONE):
+            set_step_metadata(
+                get_forward_context(), AFDStepMetadata(connector=self.attention, num_tokens=real)
+            )
+            return self.model(padded)[:real]
 
     def close(self) -> None:
         self.attention.close()
@@ -206,8 +214,9 @@ def test_piecewise_graphs_replay_the_exchange_at_the_captured_addresses(
     """Capture sizes 8 and 16 (dummy runs: the FFN role gets zero tokens, nothing
     uninitialised), then real steps of 5 tokens padded to 8 and 16 unpadded, twice
     each with new data: every piece sees its inputs at the captured addresses, only
-    real tokens travel, and the output equals the eager model's (bit for bit with the
-    eager backend; inductor fuses the traced ops, so within float32 rounding)."""
+    real tokens travel, and the output equals the eager model's on the same padded batch
+    (bit for bit with the eager backend; inductor fuses the traced ops, so within float32
+    rounding)."""
     import torch
     from vllm.config import CUDAGraphMode
 
@@ -234,7 +243,7 @@ def test_piecewise_graphs_replay_the_exchange_at_the_captured_addresses(
             got = harness.step(rows, real, CUDAGraphMode.PIECEWISE)
             assert [p.mismatches for p in pieces] == [[], [], [], []]
             assert harness.served == [(layer, real, True) for layer in range(3)]
-            want = harness.eager(x)
+            want = harness.eager(x, rows)
             if backend == "eager":
                 assert torch.equal(got[:real], want)
             else:
