@@ -130,3 +130,33 @@ def test_prepare_role_reads_the_role_under_its_alias_too() -> None:
         "attention", "m", [*hf, "--additional-config", '{"afd": {"afd_role": "attention"}}']
     )
     assert afd.role.value == "attention"
+
+
+def test_the_ffn_role_checks_then_drops_a_speculative_config() -> None:
+    """vLLM's own EngineArgs, as the FFN server parses them: n-gram is dropped (the
+    Attention role speculates; no drafter on the FFN role), a drafter is refused."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from afd.runtime.serve import drop_speculation
+    from afd_core.errors import AFDConfigError
+
+    def parsed(*args: str) -> EngineArgs:
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        return EngineArgs.from_cli_args(parser.parse_args(["--model", "m", *args]))
+
+    ngram = parsed("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert ngram.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    drop_speculation(ngram)
+    assert ngram.speculative_config is None and ngram.spec_method is None
+    flags = parsed("--spec-method", "ngram", "--spec-tokens", "2")
+    drop_speculation(flags)
+    assert (flags.spec_method, flags.spec_tokens) == (None, None)
+    with pytest.raises(
+        AFDConfigError, match=r"^afd serve --role ffn: speculative decoding method 'mtp'"
+    ):
+        drop_speculation(parsed("--speculative-config", '{"method": "deepseek_mtp"}'))
+    plain = parsed()
+    drop_speculation(plain)
+    assert plain.speculative_config is None

@@ -211,6 +211,41 @@ def test_deepseek_v3(ckpts: dict[tuple[str, str | None], Path]) -> None:
     assert not torch.equal(biases[0], biases[1])
 
 
+def test_deepseek_v3_mtp_variant_carries_one_mtp_layer(
+    ckpts: dict[tuple[str, str | None], Path],
+) -> None:
+    """As DeepSeek-V3 ships its MTP layer: layer ``num_hidden_layers`` has every tensor of
+    an MoE decoder layer plus enorm/hnorm/eh_proj/shared_head (in ``mtp.safetensors``);
+    the main model's tensors are those of the variant without MTP."""
+    import torch
+    from safetensors.torch import load_file
+
+    from afd.tools.models.tiny import MTP_FILE
+
+    d, plain = ckpts[("deepseek_v3", "mtp")], ckpts[("deepseek_v3", None)]
+    cfg = _config(d)
+    last, mtp_idx = cfg["num_hidden_layers"] - 1, cfg["num_hidden_layers"]
+    assert cfg["num_nextn_predict_layers"] == 1 and _config(plain)["num_nextn_predict_layers"] == 0
+    assert _hashes(d)["model.safetensors"] == _hashes(plain)["model.safetensors"]
+    assert not (plain / MTP_FILE).exists()
+    main, mtp = _tensors(d), dict(load_file(str(d / MTP_FILE)))
+    block = {k.split(".", 3)[3] for k in main if k.startswith(f"model.layers.{last}.")}
+    extra = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+             "shared_head.head.weight"}  # fmt: skip
+    assert {k.split(".", 3)[3] for k in mtp} == block | extra
+    assert all(k.startswith(f"model.layers.{mtp_idx}.") for k in mtp)
+    h = cfg["hidden_size"]
+    assert mtp[f"model.layers.{mtp_idx}.eh_proj.weight"].shape == (h, 2 * h)
+    bias = mtp[f"model.layers.{mtp_idx}.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and float(bias.std()) > 0.01
+    assert mtp[f"model.layers.{mtp_idx}.mlp.experts.0.gate_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(
+        mtp[f"model.layers.{mtp_idx}.shared_head.head.weight"], main["lm_head.weight"]
+    )
+    own = f"model.layers.{mtp_idx}.mlp.experts.0.down_proj.weight"
+    assert not torch.equal(mtp[own], main[f"model.layers.{last}.mlp.experts.0.down_proj.weight"])
+
+
 @pytest.mark.parametrize(
     ("variant", "norm", "kinds"),
     [

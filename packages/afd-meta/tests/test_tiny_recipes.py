@@ -24,7 +24,11 @@ from afd.tools.models.tiny import (
     tiny_variants,
 )
 
-CONFIG_DIGESTS = {"3": "022087a19088480956fdafbfc657910dd7ab64906a75aaad49cc649d1a8a612a"}
+CONFIG_DIGESTS = {
+    "3": "022087a19088480956fdafbfc657910dd7ab64906a75aaad49cc649d1a8a612a",
+    # version 4: deepseek_v3's ``mtp`` variant (one MTP layer); the other configs as in 3
+    "4": "2a7c8a9c860018a3d2096ef88c343dd395f4ca0fa1bd354ab027d55cc7984bef",
+}
 
 
 def _all_configs() -> dict[str, object]:
@@ -39,7 +43,8 @@ def _all_configs() -> dict[str, object]:
 
 def test_recipes_match_the_generator_version() -> None:
     configs = _all_configs()
-    assert len(configs) == 19  # 13 archs, qwen3_moe's 2 variants, 2 bench sizes x variants
+    # 13 archs, qwen3_moe's 2 variants, deepseek_v3's 1, 2 bench sizes x variants
+    assert len(configs) == 21
     digest = hashlib.sha256(json.dumps(configs, sort_keys=True).encode()).hexdigest()
     assert digest == CONFIG_DIGESTS.get(GENERATOR_VERSION), (
         "a tiny recipe changed: bump GENERATOR_VERSION in afd.tools.models.tiny and add "

@@ -262,3 +262,60 @@ def test_an_engine_on_vllms_v2_model_runner_is_refused_at_the_model_build(role: 
     with pytest.raises(AFDConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0") as refused:
         check_supported_parallelism(config, "AFDTestModel")
     assert str(refused.value).startswith(f"AFDTestModel: the AFD {role} role would run on")
+
+
+@pytest.mark.parametrize(
+    ("config", "method"),
+    [
+        (None, None),
+        ({"method": "ngram", "num_speculative_tokens": 3}, "ngram"),
+        ({"model": "ngram", "num_speculative_tokens": 3}, "ngram"),
+        ({"method": "[ngram]"}, "ngram"),
+        ({"method": "deepseek_mtp", "num_speculative_tokens": 1}, "mtp"),
+        ({"method": "mtp"}, "mtp"),
+        ({"method": "eagle3", "model": "some/eagle"}, "eagle3"),
+        ({"model": "some/draft"}, "draft_model"),
+        (SimpleNamespace(method="ngram", model="ngram"), "ngram"),
+        (SimpleNamespace(method="mtp", model="/ckpt"), "mtp"),
+    ],
+)
+def test_speculative_method_is_named_as_vllm_names_it(config: object, method: str | None) -> None:
+    from afd_moe_runners.speculation import speculative_method
+
+    assert speculative_method(config) == method
+
+
+def test_ngram_speculative_decoding_passes_and_drafter_models_are_refused_in_one_line() -> None:
+    """n-gram (draft-free) passes the start-up checks; a drafter with weights (MTP,
+    EAGLE, a draft model) is refused in one line naming the method and what to use."""
+    from afd_moe_runners.start_up import reject_unsupported_options
+
+    def config(spec: object) -> SimpleNamespace:
+        return SimpleNamespace(
+            parallel_config=SimpleNamespace(enable_eplb=False, use_sequence_parallel_moe=False),
+            speculative_config=spec,
+            lora_config=None,
+        )
+
+    reject_unsupported_options(config(None), "tiny")
+    reject_unsupported_options(config(SimpleNamespace(method="ngram", model="ngram")), "tiny")
+    for method in ("mtp", "eagle", "eagle3", "draft_model", "medusa"):
+        with pytest.raises(AFDConfigError) as refused:
+            reject_unsupported_options(config(SimpleNamespace(method=method, model="x")), "tiny")
+        message = str(refused.value)
+        assert "\n" not in message
+        assert message.startswith(f"tiny: speculative decoding method {method!r} is not supported")
+        assert "use 'ngram'" in message
+
+
+@pytest.mark.parametrize("args", [["--speculative-config", '{"method": "ngram"}'],
+                                  ['--speculative-config={"method": "ngram"}'],
+                                  ["-sc", '{"method": "ngram"}'],
+                                  ["--spec-method", "ngram"]])  # fmt: skip
+def test_speculative_settings_are_read_from_every_vllm_option(args: list[str]) -> None:
+    from afd_moe_runners.speculation import speculative_settings
+
+    assert speculative_settings(["--enforce-eager", *args, "--seed", "0"]) == {"method": "ngram"}
+    assert speculative_settings(["--enforce-eager"]) is None
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        speculative_settings(["--speculative-config", "ngram"])

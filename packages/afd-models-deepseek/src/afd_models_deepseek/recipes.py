@@ -11,7 +11,8 @@ one shared expert, top-2 of 8 or 16 routed experts.
 * ``deepseek_v3``: ``q_lora_rank=64``, grouped top-k (``n_group=4``, ``topk_group=2``),
   ``noaux_tc`` with a random fp32 ``e_score_correction_bias``, sigmoid scoring,
   ``routed_scaling_factor=2.5``; bench size: hidden 512, 1 dense + 8 MoE layers, 16
-  routed experts top-4;
+  routed experts top-4; variant ``mtp``: one multi-token-prediction layer
+  (``num_nextn_predict_layers=1``, weights in ``mtp.safetensors``);
 * ``deepseek_v32``: V3 plus the sparse-attention indexer (vLLM's CPU build refuses its
   sparse attention, natively and so for both roles).
 
@@ -85,6 +86,10 @@ DEEPSEEK_V3 = TinyRecipe(
     config_cls="DeepseekV3Config",
     model_cls="DeepseekV3ForCausalLM",
     base=_V3,
+    # With one multi-token-prediction layer, as DeepSeek-V3 ships (layer
+    # num_hidden_layers: MLA + MoE decoder layer, enorm/hnorm/eh_proj/shared_head; the
+    # generator writes it to mtp.safetensors): for --speculative-config deepseek_mtp.
+    variants={"mtp": {"num_nextn_predict_layers": 1}},
     # Bench size: hidden 512, 1 dense + 8 MoE layers, 16 routed experts top-4.
     bench={
         "hidden_size": 512,

@@ -5,9 +5,10 @@ role's ``AFDConfig`` from the vLLM config (:func:`afd_config_of`), refuses layou
 options this runtime does not implement (:func:`check_supported_parallelism`: the
 connector's own ``check_deployment``, vLLM's V2 model runner, the compile / CUDA-graph
 mode, micro-batching, tensor and pipeline parallelism, EPLB;
-:func:`reject_unsupported_options`: sequence-parallel MoE, speculative decoding, LoRA,
-multimodal input), each with a one-line reason naming the fix, and then resolves the
-role's :class:`~afd_moe_runners.deployment_plan.DeploymentPlan` once and logs it.
+:func:`reject_unsupported_options`: sequence-parallel MoE, speculative decoding with a
+drafter model (n-gram passes; :mod:`afd_moe_runners.speculation`), LoRA, multimodal
+input), each with a one-line reason naming the fix, and then resolves the role's
+:class:`~afd_moe_runners.deployment_plan.DeploymentPlan` once and logs it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from afd_core.errors import AFDConfigError
 from afd_moe_runners import deployment_plan
 from afd_moe_runners.deployment_plan import DeploymentPlan, GraphMode, graph_mode_of
 from afd_moe_runners.model_runner_choice import model_runner_problem
+from afd_moe_runners.speculation import (
+    micro_batched_speculation_problem,
+    speculative_method,
+    speculative_problem,
+)
 from afd_moe_runners.worker_table import is_micro_batch_worker, micro_batch_worker
 
 logger = logging.getLogger(__name__)
@@ -157,11 +163,7 @@ def micro_batching_problem(vllm_config: Any, num_micro_batches: int) -> str | No
             f"{worker!r}"
         )
     if getattr(vllm_config, "speculative_config", None) is not None:
-        return (
-            f"afd.num_micro_batches={num_micro_batches} cannot be combined with "
-            "speculative decoding yet; set afd.num_micro_batches=1 or drop the "
-            "speculative config"
-        )
+        return micro_batched_speculation_problem(num_micro_batches)
     return None
 
 
@@ -239,11 +241,10 @@ def reject_unsupported_options(
             "with data/expert parallelism) is not supported by afd; each AFD role computes "
             "its MoE layers on whole token batches"
         )
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise AFDConfigError(
-            f"{model_name}: speculative decoding (incl. MTP) is not supported by afd; remove "
-            "--speculative-config"
-        )
+    method = speculative_method(getattr(vllm_config, "speculative_config", None))
+    problem = speculative_problem(method, model_name)
+    if problem is not None:
+        raise AFDConfigError(problem)
     if getattr(vllm_config, "lora_config", None) is not None:
         raise AFDConfigError(
             f"{model_name}: LoRA is not supported by afd (adapters would have to be split "

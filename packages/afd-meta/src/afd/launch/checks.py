@@ -207,3 +207,28 @@ def check_launch_fields(spec: Any, dtypes: Sequence[str]) -> None:
         spec.log_dir = str(spec.log_dir)
     spec.vllm_args = check_args("vllm_args", spec.vllm_args)
     spec.env = check_env("env", spec.env)
+
+
+def check_speculation(spec: Any) -> None:
+    """Speculative decoding asked in the Attention role's vLLM args of an AFD ``spec``:
+    refused here, in one line, when the roles would refuse it at start
+    (:mod:`afd_moe_runners.speculation`)."""
+    from afd_moe_runners.speculation import (
+        micro_batched_speculation_problem,
+        speculative_method,
+        speculative_problem,
+        speculative_settings,
+    )
+
+    where = "attention.vllm_args" if spec.attention.vllm_args else "vllm_args"
+    try:
+        settings = speculative_settings([*spec.vllm_args, *spec.attention.vllm_args])
+    except ValueError as exc:
+        raise SpecError(f"{where}: {exc}") from None
+    if settings is None:
+        return
+    problem = speculative_problem(speculative_method(settings), where)
+    if problem is None and spec.afd.num_micro_batches > 1:
+        problem = f"{where}: {micro_batched_speculation_problem(spec.afd.num_micro_batches)}"
+    if problem is not None:
+        raise SpecError(problem)

@@ -1,9 +1,11 @@
 """The role processes of a spec, not started yet: their commands, environments, log
 files and health URLs, FFN servers first, then the attention server (or the one native
-baseline server); and the admission token they share."""
+baseline server); with ``[prefill]`` the prefill instance before the attention server
+and the proxy after it; and the admission token they share."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -11,12 +13,13 @@ from pathlib import Path
 
 from afd.launch.cpus import shares_cpus
 from afd.launch.processes import RoleProcess, role_env
-from afd.launch.readiness import NATIVE
+from afd.launch.readiness import NATIVE, PREFILL, PROXY
 from afd.launch.spec import DeploymentSpec
+from afd.launch.spec_prefill import kv_transfer_args
 from afd_core.config import additional_config_json
 from afd_core.roles import AFDRole
 
-__all__ = ["Layout", "build_roles", "give_token"]
+__all__ = ["Layout", "build_roles", "give_token", "kv_storage"]
 
 
 @dataclass
@@ -38,6 +41,9 @@ class Layout:
     base_env: Mapping[str, str] | None = None
     """The environment the roles' start from (default: this process's; see
     :func:`role_env`)."""
+    pd_ports: Sequence[int] = ()
+    """With ``[prefill]``: ``(attention server's HTTP port, prefill instance's)``; the
+    proxy then takes ``http_port`` (the deployment's URL)."""
 
     def env(self, spec: DeploymentSpec, role: AFDRole, name: str) -> dict[str, str]:
         return role_env(
@@ -63,7 +69,63 @@ def build_roles(
     if spec.native:
         return [_native_role(spec, at, cls)]
     roles = [_ffn_role(spec, at, rank, cls) for rank in range(spec.num_ffn)]
-    return [*roles, _attention_role(spec, at, cls)]
+    if spec.prefill is None:
+        return [*roles, _attention_role(spec, at, cls)]
+    prefill = _prefill_role(spec, at, cls)
+    attention = _attention_role(spec, at, cls)
+    assert prefill.http_url and attention.http_url
+    return [
+        *roles,
+        prefill,
+        attention,
+        _proxy_role(spec, at, prefill.http_url, attention.http_url, cls),
+    ]
+
+
+def kv_storage(at: Layout) -> Path:
+    """The KV files' folder of a ``[prefill]`` deployment (inside its TMPDIR, removed
+    when it stops), unless ``kv_connector_extra_config`` names one."""
+    return at.tmp_dir / "kv"
+
+
+def _prefill_role(spec: DeploymentSpec, at: Layout, cls: type[RoleProcess]) -> RoleProcess:
+    assert spec.prefill is not None and at.pd_ports
+    port = at.pd_ports[1]
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
+        *spec.engine_args(), *spec.prefill.vllm_args,
+        *kv_transfer_args(spec.prefill, "kv_producer", kv_storage(at)),
+        "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
+        "--host", spec.host, "--port", str(port),
+    ]  # fmt: skip
+    env = role_env(
+        spec,
+        PREFILL,
+        at.tmp_dir,
+        spec.prefill.devices,
+        spec.prefill.cpus or _first_rank(at.cpus.get("attn")),
+        base=at.base_env,
+        shared=spec.prefill.cpus is None and "attn" in at.cpus,
+    )
+    url = f"http://{spec.host}:{port}"
+    return cls("prefill0", PREFILL, 0, cmd, env, at.log_dir / "prefill0.log", http_url=url)
+
+
+def _first_rank(cpus: str | None) -> str | None:
+    """The first rank's CPU list of a per-rank ``VLLM_CPU_OMP_THREADS_BIND`` (``a|b``)."""
+    return None if cpus is None else cpus.split("|")[0]
+
+
+def _proxy_role(
+    spec: DeploymentSpec, at: Layout, prefill_url: str, decode_url: str, cls: type[RoleProcess]
+) -> RoleProcess:
+    cmd = [
+        sys.executable, "-m", "afd.launch.pd_proxy", "--prefill", prefill_url,
+        "--decode", decode_url, "--host", spec.host, "--port", str(at.http_port),
+    ]  # fmt: skip
+    env = {**(os.environ if at.base_env is None else at.base_env), "PYTHONUNBUFFERED": "1"}
+    url = f"http://{spec.host}:{at.http_port}"
+    return cls("proxy", PROXY, 0, cmd, env, at.log_dir / "proxy.log", http_url=url)
 
 
 def _native_role(spec: DeploymentSpec, at: Layout, cls: type[RoleProcess]) -> RoleProcess:
@@ -112,8 +174,14 @@ def _attention_role(spec: DeploymentSpec, at: Layout, cls: type[RoleProcess]) ->
     # DP ranks in lock step (idle ranks run dummy batches), which the FFN fan-in
     # needs; each rank's AFD rank is its DP rank. Independent servers would not step
     # together, and an FFN rank would wait forever for an idle peer.
-    port = at.http_port
+    port = at.pd_ports[0] if spec.prefill is not None else at.http_port
     host = at.host(spec, "attn")
+    # the decode side of a [prefill] deployment reads the prefill instance's KV cache
+    kv = (
+        kv_transfer_args(spec.prefill, "kv_consumer", kv_storage(at))
+        if spec.prefill is not None
+        else []
+    )
     # each DP rank's AFD rank is its DP rank (rank None: the runtime's)
     afd = spec.afd_config(AFDRole.ATTENTION, None, port=at.connector_port, host=at.rendezvous_host)
     dp = ["--data-parallel-size", str(spec.num_attention)] if spec.num_attention > 1 else []
@@ -121,7 +189,7 @@ def _attention_role(spec: DeploymentSpec, at: Layout, cls: type[RoleProcess]) ->
     cmd = [
         sys.executable, "-m", "afd.cli", "serve", "--role", AFDRole.ATTENTION.value,
         spec.attention.model or spec.model,
-        *spec.engine_args(), *spec.attention.vllm_args, *dp,
+        *spec.engine_args(), *spec.attention.vllm_args, *dp, *kv,
         "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
         "--host", host, "--port", str(port),
         "--additional-config", additional_config_json(afd),

@@ -19,8 +19,9 @@ from afd.launch.cpus import usable_cpus
 from afd.launch.devices import detect_cuda_devices
 from afd.launch.errors import DeploymentError
 from afd.launch.placement import device_lines, plan_cpus, plan_devices
-from afd.launch.ports import allocate_health_ports, allocate_ports
+from afd.launch.ports import allocate_health_ports, allocate_ports, reserve_ports
 from afd.launch.processes import RoleProcess, role_tmp_dir, stop_groups
+from afd.launch.readiness import PROXY
 from afd.launch.spec import DeploymentSpec
 
 __all__ = ["Deployment"]
@@ -68,6 +69,8 @@ class Deployment:
         self.http_ports: list[int] = []
         self.connector_port = 0
         self.ffn_health_ports: list[int] = []
+        self.pd_ports: list[int] = []
+        """With ``[prefill]``: the attention server's and the prefill instance's HTTP ports."""
         self.started_at: float | None = None
         self.startup_s: float | None = None
         self._lock = threading.Lock()
@@ -77,8 +80,10 @@ class Deployment:
     # -- info ----------------------------------------------------------------------
     @property
     def endpoints(self) -> list[str]:
-        """Base URLs of the OpenAI-compatible servers (``http://host:port``)."""
-        return [r.http_url for r in self.roles if r.http_url]
+        """Base URLs of the OpenAI-compatible servers (``http://host:port``); with
+        ``[prefill]``, the proxy's only (the servers behind it are not the API)."""
+        proxy = [r.http_url for r in self.roles if r.http_url and r.role == PROXY]
+        return proxy or [r.http_url for r in self.roles if r.http_url]
 
     @property
     def url(self) -> str:
@@ -122,7 +127,7 @@ class Deployment:
         self.tmp_dir = role_tmp_dir(self.work_dir)
         if not spec.native and len(self.ffn_health_ports) != spec.num_ffn:
             self.ffn_health_ports = allocate_health_ports(
-                spec, avoid=[*self.http_ports, self.connector_port]
+                spec, avoid=[*self.http_ports, self.connector_port, *self.pd_ports]
             )
         return Layout(
             http_port=self.http_ports[0],
@@ -132,6 +137,7 @@ class Deployment:
             cpus=cpus,
             tmp_dir=self.tmp_dir,
             log_dir=self.log_dir,
+            pd_ports=self.pd_ports,
         )
 
     def _build_roles(self) -> None:
@@ -148,6 +154,11 @@ class Deployment:
 
     def _allocate_ports(self) -> None:
         self.http_ports, self.connector_port = allocate_ports(self.spec)
+        if self.spec.prefill is not None and not self.spec.native:
+            # the proxy takes the deployment's HTTP port; these are the servers behind it
+            wanted = [("attention server HTTP", 0, "http_port"), ("prefill HTTP", 0, "http_port")]
+            avoid = [*self.http_ports, self.connector_port]
+            self.pd_ports = reserve_ports(self.spec.host, wanted, avoid=avoid)
 
     def _connector_origin(self) -> str:
         return "same-host default" if self.spec.connector_auto else "from [afd] connector"
@@ -170,11 +181,15 @@ class Deployment:
             self._allocate_ports()
             self._build_roles()
             what = "native vLLM" if spec.native else f"{spec.num_attention}A{spec.num_ffn}F"
+            if spec.prefill is not None and not spec.native:
+                what += f" (decode) + prefill ({spec.prefill.kv_connector})"
             self.say(
                 f"starting {what} deployment of {spec.model} "
                 + (f"(connector port {self.connector_port}) " if not spec.native else "")
                 + f"logs in {self.log_dir}"
             )
+            if spec.native and spec.prefill is not None:
+                self.say("native: [prefill] not used (the baseline is one plain vLLM server)")
             if not spec.native:
                 self.say(f"connector: {spec.connector} ({self._connector_origin()})")
                 self.say(self.token_note)

@@ -17,7 +17,7 @@ from typing import IO
 
 from afd.launch.cpus import CPU_BIND, CPU_LIST, SHARED_OMP_ENV, bind_affinity, omp_bind_env
 from afd.launch.devices import CUDA_VISIBLE_DEVICES
-from afd.launch.readiness import NATIVE, readiness_of
+from afd.launch.readiness import PREFILL, readiness_of
 from afd.launch.spec import DeploymentSpec
 from afd_core.procfs import group_members
 from afd_core.roles import AFDRole
@@ -61,7 +61,13 @@ def role_env(
     launcher adds to its node's environment). ``shared``: another role process uses
     some of these CPUs too, so OpenMP threads stop spinning soon (:data:`SHARED_OMP_ENV`,
     unless the environment or the spec sets those variables)."""
-    role = AFDRole(role)
+    # The prefill instance of a [prefill] spec (afd.launch.spec_prefill) is no AFD role:
+    # its own table's env instead of a role's.
+    prefill = str(role) == PREFILL
+    own = spec.prefill.env if prefill and spec.prefill is not None else {}
+    role = AFDRole.ATTENTION if prefill else AFDRole(role)
+    if not prefill:
+        own = spec.overrides(role).env
     env = dict(os.environ if base is None else base)
     inherited = set(env)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB; it overrides kv_cache_memory_bytes
@@ -74,9 +80,9 @@ def role_env(
         env[CUDA_VISIBLE_DEVICES] = devices
     if cpus is not None:
         env[CPU_BIND] = cpus
-    env.update(spec.overrides(role).env)
+    env.update(own)
     bind = env.get(CPU_BIND, "")
-    if role is AFDRole.FFN and CPU_LIST.match(bind.replace(" ", "")):
+    if role is AFDRole.FFN and not prefill and CPU_LIST.match(bind.replace(" ", "")):
         # The FFN server runs its worker in its own process (UniProcExecutor), where vLLM
         # does not apply VLLM_CPU_OMP_THREADS_BIND (only its multiprocess executor does,
         # for the worker processes it starts): set what vLLM would set there. Settings
@@ -87,7 +93,7 @@ def role_env(
                 if k not in given:
                     env[k] = v
     if shared:
-        given = {**spec.env, **spec.overrides(role).env}
+        given = {**spec.env, **own}
         for k, v in SHARED_OMP_ENV.items():
             if k not in given and k not in inherited:
                 env[k] = v
@@ -150,7 +156,7 @@ class RoleProcess:
         self.name = name
         self.readiness = readiness_of(role)
         """How to tell that it is ready (per kind of role: :mod:`afd.launch.readiness`)."""
-        self.role: AFDRole | str = self.readiness.role or NATIVE
+        self.role: AFDRole | str = self.readiness.role or self.readiness.name
         self.rank = rank
         self.cmd = cmd
         self.env = env

@@ -20,6 +20,8 @@ __all__ = [
     "ATTENTION",
     "FFN",
     "NATIVE",
+    "PREFILL",
+    "PROXY",
     "AttentionReadiness",
     "FFNReadiness",
     "NativeReadiness",
@@ -30,6 +32,10 @@ __all__ = [
 
 NATIVE = "native"
 """The role name of the native baseline (a plain vLLM server, no AFD role)."""
+PREFILL = "prefill"
+"""The role name of a ``[prefill]`` spec's prefill instance (a plain vLLM server)."""
+PROXY = "proxy"
+"""The role name of a ``[prefill]`` spec's prefill -> decode proxy (the deployment's URL)."""
 
 
 def http_health(url: str, timeout: float = 2.0) -> tuple[bool, str]:
@@ -48,14 +54,16 @@ class RoleReadiness:
     """What ``ready`` means for one kind of role process."""
 
     role: AFDRole | None = None
-    """The AFD role; None for the native baseline."""
+    """The AFD role; None for the native baseline and a ``[prefill]`` spec's processes."""
+    kind: str = NATIVE
+    """The name of a process kind that is no AFD role (``native``, ``prefill``, ``proxy``)."""
     marker: str | None = None
     """The line the role logs when it has loaded its model (not readiness: see above)."""
     health_path: str = "/health"
 
     @property
     def name(self) -> str:
-        return NATIVE if self.role is None else self.role.value
+        return self.kind if self.role is None else self.role.value
 
     def health_url(self, base_url: str) -> str:
         return f"{base_url}{self.health_path}"
@@ -95,9 +103,30 @@ class NativeReadiness(RoleReadiness):
     role: AFDRole | None = None
 
 
+@dataclass(frozen=True)
+class PrefillReadiness(RoleReadiness):
+    """A ``[prefill]`` spec's prefill instance (plain vLLM API server, ``kv_producer``):
+    ready when its ``/health`` answers 200."""
+
+    kind: str = PREFILL
+
+    def endpoint_lines(self, name: str, base_url: str | None) -> list[str]:
+        return [f"  {base_url}/metrics  ({name}: prompt tokens it computed)"]
+
+
+@dataclass(frozen=True)
+class ProxyReadiness(RoleReadiness):
+    """A ``[prefill]`` spec's proxy (:mod:`afd.launch.pd_proxy`): ready when its
+    ``/health`` answers 200, which it does once the prefill and decode servers do."""
+
+    kind: str = PROXY
+
+
 FFN = FFNReadiness()
 ATTENTION = AttentionReadiness()
-_BY_NAME: dict[str, RoleReadiness] = {r.name: r for r in (FFN, ATTENTION, NativeReadiness())}
+_BY_NAME: dict[str, RoleReadiness] = {
+    r.name: r for r in (FFN, ATTENTION, NativeReadiness(), PrefillReadiness(), ProxyReadiness())
+}
 
 
 def readiness_of(role: str) -> RoleReadiness:

@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from afd.launch.checks import (
-    check_launch_fields,
-)
+from afd.launch.checks import check_launch_fields, check_speculation
 from afd.launch.connectors import same_host_only
 from afd.launch.devices import detect_cuda_devices
 from afd.launch.errors import SpecError
@@ -34,6 +32,7 @@ from afd.launch.ray_spec import (
 )
 from afd.launch.spec_afd import SPEC_AFD_FIELDS, deployment_afd
 from afd.launch.spec_file import dump_toml, load_toml, spec_kwargs, spec_mapping
+from afd.launch.spec_prefill import PrefillSpec, check_prefill, check_prefill_layout
 from afd.launch.spec_roles import RoleOverrides, check_overrides
 from afd.runtime.environment import CPU_MLA_BACKEND, cpu_mla_backend_needed
 from afd_core.config import AFDConfig
@@ -50,6 +49,7 @@ __all__ = [
     "SPEC_AFD_FIELDS",
     "SPEC_KEYS",
     "DeploymentSpec",
+    "PrefillSpec",
     "RayResources",
     "RaySpec",
     "RoleOverrides",
@@ -115,6 +115,10 @@ class DeploymentSpec:
     """Run one plain vLLM API server (no AFD) with the same engine args: the baseline."""
     ray: RaySpec | None
     """Place the role processes as Ray actors (``[ray]``); None: on this host."""
+    prefill: PrefillSpec | None
+    """Prefill/decode disaggregation (``[prefill]``): a native vLLM prefill instance hands
+    each prompt's KV cache to the Attention role, behind a proxy
+    (:mod:`afd.launch.spec_prefill`); None: the Attention role prefills itself."""
 
     def __init__(
         self,
@@ -142,6 +146,7 @@ class DeploymentSpec:
         ffn: RoleOverrides | Mapping[str, Any] | None = None,
         native: bool = False,
         ray: RaySpec | Mapping[str, Any] | None = None,
+        prefill: PrefillSpec | Mapping[str, Any] | None = None,
         connector_auto: bool = False,
     ) -> None:
         # The top-level AFD keys given (None: from ``afd`` if an AFDConfig, else default).
@@ -170,6 +175,7 @@ class DeploymentSpec:
         self.ffn = RoleOverrides() if ffn is None else ffn  # type: ignore[assignment]
         self.native = native
         self.ray = ray  # type: ignore[assignment]
+        self.prefill = check_prefill(prefill)
         check_launch_fields(self, DTYPES)
         self._check_ray()
         self.afd, self.connector_auto = deployment_afd(
@@ -239,6 +245,10 @@ class DeploymentSpec:
             check_ray_deployment(
                 self, DEFAULT_HOST, (DEFAULT_NETWORK_CONNECTOR, DEFAULT_CUDA_CONNECTOR)
             )
+        if not self.native:
+            check_speculation(self)
+        if self.prefill is not None:
+            check_prefill_layout(self)
 
     def _check_ray(self) -> None:
         if self.ray is not None:

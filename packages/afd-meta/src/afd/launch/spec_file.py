@@ -90,6 +90,8 @@ def spec_mapping(spec: Any, defaults: Any, afd_fields: Mapping[str, str]) -> dic
         if f.name in ("model", "afd", "connector_auto"):
             continue
         value = _plain(getattr(spec, f.name))
+        if f.name == "prefill" and value == {} and spec.prefill is not None:
+            value = {"kv_connector": spec.prefill.kv_connector}  # an all-default table
         if value != _plain(getattr(defaults, f.name)) and value not in ({}, None):
             out[f.name] = value
     afd = spec.afd.to_section()

@@ -357,6 +357,32 @@ def _serve_ffn(argv: list[str], health_host: str, health_port: int) -> int:
         engine_args.enforce_eager = True
     if engine_args.distributed_executor_backend is None:
         engine_args.distributed_executor_backend = "uni"
+    drop_speculation(engine_args)
     from afd.runtime.ffn_server import run_ffn_server
 
     return run_ffn_server(engine_args, health_host=health_host, health_port=health_port)
+
+
+def drop_speculation(engine_args: Any) -> None:
+    """The FFN role has no proposer: speculation runs on the Attention role, whose
+    verification steps reach this role as ordinary token batches. A speculative config
+    given here too (``afd launch`` hands every role the same vLLM args) is checked like
+    the Attention role's, then dropped, so that vLLM builds no drafter on this role."""
+    from afd_moe_runners.speculation import speculative_method, speculative_problem
+
+    settings = dict(engine_args.speculative_config or {})
+    for key, attr in (("method", "spec_method"), ("model", "spec_model")):
+        if getattr(engine_args, attr, None) is not None:
+            settings[key] = getattr(engine_args, attr)
+    if not settings and getattr(engine_args, "spec_tokens", None) is None:
+        return
+    problem = speculative_problem(speculative_method(settings), "afd serve --role ffn")
+    if problem is not None:
+        raise AFDConfigError(problem)
+    logger.info(
+        "AFD FFN role: speculative config %s not used here (the Attention role speculates; "
+        "its verification steps arrive as token batches)",
+        settings,
+    )
+    engine_args.speculative_config = None
+    engine_args.spec_method = engine_args.spec_model = engine_args.spec_tokens = None
