@@ -14,7 +14,9 @@ each step whole and every rank adds a shadow micro-batch, so both send two per l
 each rank's ``afd_attention_exchanges_total`` of micro-batch 0 and of micro-batch 1 both
 equal its ``afd_attention_steps_total`` x layers; the idle rank's dummy steps carry no
 token and send empty messages, so the FFN computes the busy rank's tokens alone, the rows
-native vLLM computes for that request),
+native vLLM computes for that request; every role process runs on one CPU, and so does
+the native reference: vLLM's bfloat16 kernels depend on the thread count on CPUs without
+AMX),
 eager (``enforce_eager = true``; ``afd launch`` compiles by default, and the same case
 compiled, float32, is tests/e2e/test_compiled_parity.py's ``deepseek_v3-gate_attention-2A1F-m2``
 in CI's matrix); greedy tokens
@@ -43,7 +45,9 @@ from afd_processes import (
     metric_samples,
     settled_metric_samples,
 )
+from afd_references import ONE_CPU, singles
 
+from afd.launch.cpus import usable_cpus
 from afd.tools.client import completion_response
 from afd.tools.reference import FIXED_PROMPTS
 
@@ -80,8 +84,7 @@ def metric_values(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], flo
     return metric_samples(f"{url}/metrics")
 
 
-#: Asked one at a time (the reference: each prompt its own batch, as in
-#: test_deepseek_served.py, so one native engine answers both).
+#: Asked one at a time (the reference: each prompt its own batch, on one CPU).
 PROMPTS = list(FIXED_PROMPTS[:8])
 
 
@@ -89,7 +92,14 @@ def test_2a1f_serves_and_stops_on_sigterm(
     tiny_models: dict[str, Path], native_references: Any, tmp_path: Path
 ) -> None:
     model = tiny_models["deepseek_v3"]
-    _, native = native_references.served_and_batched(model, FIXED_PROMPTS, PROMPTS)
+    # Every role process on one CPU (one OpenMP thread), and the reference native vLLM on
+    # one CPU too: without AMX, vLLM's bfloat16 kernels answer differently on one thread
+    # and on two (native alone shows it), so the same thread count is the same computation.
+    native = [
+        group[0]
+        for group in native_references.groups(model, singles(PROMPTS), llm_kwargs={ONE_CPU: True})
+    ]
+    cpus = usable_cpus()
     spec = tmp_path / "2a1f.toml"
     spec.write_text(
         f'model = "{model}"\nnum_attention = 2\nnum_ffn = 1\n'
@@ -97,6 +107,8 @@ def test_2a1f_serves_and_stops_on_sigterm(
         "enforce_eager = true\n"
         "[afd]\nconnect_timeout_s = 600\ntransfer_timeout_s = 120\n"
         'routing_payload = "topk"\nnum_afd_stages = 2\n'
+        f'[attention]\ncpus = "{cpus[0]}|{cpus[1 % len(cpus)]}"\n'
+        f'[ffn]\ncpus = ["{cpus[2 % len(cpus)]}"]\n'
     )
     launcher = Launcher(spec, tmp_path)
     try:

@@ -123,6 +123,13 @@ SERVED = "afd_served"
 COMPILED = {"enforce_eager": False}
 COMPILED_SERVED = {"enforce_eager": False, SERVED: True}
 COMPILED_BOUNDARIES = {"enforce_eager": False, FFN_BEHIND_OP: True}
+#: A pseudo engine argument of ``llm_kwargs``: the offline engine on one CPU
+#: (``VLLM_CPU_OMP_THREADS_BIND`` = the first usable CPU), i.e. every kernel on one OpenMP
+#: thread, as each role process of a layout that gives every process one CPU computes (a
+#: 2-CPU host: 1A1F with m > 1, 2A1F). On CPUs without AMX, vLLM's bfloat16 kernels give
+#: results that depend on the thread count: native vLLM on one CPU and on two answers
+#: differently (docs/architecture.md, "What parity is promised").
+ONE_CPU = "afd_one_cpu"
 #: A pseudo engine argument (cache keys only): the reference recorded its routing
 #: (``python -m afd.reference --record-routing``, :meth:`NativeReferences.routed`).
 RECORD_ROUTING = "afd_record_routing"
@@ -186,9 +193,13 @@ def _run_reference(
         cmd.append("--ffn-behind-op")
     if record_routing:
         cmd.append("--record-routing")
+    env: dict[str, str] = {}
+    if llm_kwargs.pop(ONE_CPU, False):
+        from afd.launch.cpus import usable_cpus
+
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(min(usable_cpus()))
     if llm_kwargs:
         cmd += ["--llm-kwargs", json.dumps(llm_kwargs)]
-    env: dict[str, str] = {}
     tp = int(llm_kwargs.get("tensor_parallel_size", 1))
     if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in role_env(work):
         # vLLM CPU's automatic binding refuses several TP workers on one NUMA node: one
