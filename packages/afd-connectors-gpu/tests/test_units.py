@@ -143,6 +143,34 @@ def test_the_buffer_plan_reads_vllms_current_config_when_the_process_runs_vllm(
     )
 
 
+def test_the_buffer_plan_reserves_what_a_quantized_message_carries() -> None:
+    """With low-precision transfer dtypes the reserved buffers are the 8-bit elements and
+    their scales (last in the message), not model-dtype buffers no message would use."""
+    extra = {"buffer_pool": True, "hidden_size": 40, "dtype": "bfloat16", "max_num_tokens": 64}
+    config = AFDConfig(
+        role="attention",
+        compute_gate_on_attention=True,
+        transfer_dtype="mxfp8",
+        transfer_dtype_return="fp8",
+        connector_extra_config=extra,
+    )
+    conn = P2pGlooAFDConnector(config, rank=0)
+    conn.identity = {"top_k": "4"}
+    assert buffer_plan(conn) == (
+        64,
+        40,
+        "bfloat16",
+        [
+            ("send", 0, ((40,), "float8_e4m3fn")),
+            ("recv", 0, ((40,), "float8_e4m3fn")),
+            ("send", 1, ((4,), "int32")),
+            ("send", 2, ((4,), "float32")),
+            ("send", 3, ((2,), "uint8")),  # one E8M0 scale per 32 elements: ceil(40 / 32)
+            ("recv", 1, ((1,), "float32")),  # fp8: one float32 scale per token
+        ],
+    )
+
+
 def test_no_hidden_size_anywhere_means_no_reservation(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "vllm.config", raising=False)
     conn = P2pGlooAFDConnector(_config(connector_extra_config={"buffer_pool": True}), rank=0)

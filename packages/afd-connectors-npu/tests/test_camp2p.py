@@ -208,6 +208,16 @@ def test_without_an_injected_fake_init_uses_the_vendor_binding_and_fails_closed(
     conn.close()
 
 
+def test_the_vendor_binding_refuses_a_low_precision_transfer_dtype() -> None:
+    """The Ascend adapters take (hidden, ids, scales): no slot for activation scales, so a
+    quantized message would arrive without them. Refused before any operator is loaded."""
+    config = AFDConfig(role="ffn", connector="CAMP2pAFDConnector", transfer_dtype="fp8")
+    conn = CAMP2pAFDConnector(config, rank=0)
+    with pytest.raises(AFDConfigError, match=r"moves no activation scales.*'fp8'.*'model'"):
+        conn.init()
+    conn.close()
+
+
 class _SwappingCodec(A2ECodec):
     def _pack_topk(self, topk_ids: Any, topk_weights: Any) -> tuple[Any, Any]:
         return topk_weights, topk_ids

@@ -1,4 +1,4 @@
-"""afd_moe_runners.quantize against an element-by-element reference written from the formats'
+"""afd_core.quantize against an element-by-element reference written from the formats'
 definitions (not from the codecs): float8_e4m3fn values enumerated from their bits and
 rounded to nearest-even by hand, the E8M0 exponent from ``math.frexp``, int8 by
 ``round``/clamp in Python floats. Round trips within each format's bound; zero, inf and
@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from afd_moe_runners.quantize import (  # noqa: E402
+from afd_core.quantize import (  # noqa: E402
     E8M0_BIAS,
     E8M0_NAN,
     FP8_E4M3_MAX,

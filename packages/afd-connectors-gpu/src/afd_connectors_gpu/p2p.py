@@ -48,6 +48,7 @@ from afd_core.exchange import (
     TransferContext,
     Transport,
 )
+from afd_core.transfer_dtype import scale_columns, transfer_format
 from afd_core.wire import FRAME_LEN, Frame
 
 __all__ = [
@@ -127,7 +128,8 @@ def buffer_plan(
       else the deployment fingerprint the connector was created with (``hidden_size``,
       ``dtype``), else vLLM's model config;
     * tensors: the hidden-width tensor of each direction (A->F hidden states, F->A
-      output; this role sends one and receives the other), plus top-k ids and weights
+      output; this role sends one and receives the other; in a low-precision transfer
+      dtype its 8-bit elements and its scales), plus top-k ids and weights
       when the gate runs on Attention and sends top-k (their width from the fingerprint's
       ``top_k`` or the model config). Router logits, token ids and a separate
       shared-expert output are made on first use (sized for the same largest bucket).
@@ -157,17 +159,25 @@ def buffer_plan(
         tokens = min(tokens, budget)
     attention = connector.role is AFDRole.ATTENTION
     a2f, f2a = ("send", "recv") if attention else ("recv", "send")
-    steps: list[tuple[str, int, Spec]] = [
-        (a2f, 0, ((hidden,), dtype)),
-        (f2a, 0, ((hidden,), dtype)),
-    ]
     config = connector.config
+    to_ffn = transfer_format(config.transfer_dtype)
+    back = transfer_format(config.transfer_dtype_return)
+    steps: list[tuple[str, int, Spec]] = [
+        (a2f, 0, ((hidden,), to_ffn.element_dtype or dtype)),
+        (f2a, 0, ((hidden,), back.element_dtype or dtype)),
+    ]
+    a2f_slots = 1
     if config.compute_gate_on_attention and config.routing_payload is RoutingPayload.TOPK:
         top_k = _int_or_none(identity.get("top_k"))
         if top_k is None:
             top_k = _int_or_none(getattr(text, "num_experts_per_tok", None))
         if top_k is not None:
             steps += [(a2f, 1, ((top_k,), "int32")), (a2f, 2, ((top_k,), "float32"))]
+            a2f_slots = 3
+    # A quantized main tensor's scales travel last in the message (afd_core.wire).
+    for direction, fmt, slot in ((a2f, to_ffn, a2f_slots), (f2a, back, 1)):
+        if fmt.scale_dtype is not None:
+            steps.append((direction, slot, ((scale_columns(fmt, hidden),), fmt.scale_dtype)))
     return tokens, hidden, dtype, steps
 
 
@@ -182,6 +192,11 @@ class GlooTransport(Transport):
         # (work, peer, tensor kept alive until the send completed, True for a tensor on
         # the data plane / False for a frame on gloo)
         self._pending_sends: collections.deque[tuple[Any, int, Any, bool]] = collections.deque()
+        # ids of sends waited for once that another list still holds (the pending list or
+        # the buffer pool's in-flight sends): a gloo send must not be waited for twice, or
+        # the second wait can take the completion of the buffer's next send and block past
+        # its timeout (seen as a close() that hung in the flush below).
+        self._waited: set[int] = set()
         # gloo reports a send complete only through wait(); a send is settled by wait()
         # once more than this many are queued. In the AFD protocol at most one message
         # per (peer, micro-batch) is undelivered at a time (4 operations at most), so the
@@ -235,6 +250,8 @@ class GlooTransport(Transport):
             flush_deadline = time.monotonic() + _FLUSH_GRACE_S
             while self._pending_sends:
                 work, *_ = self._pending_sends.popleft()
+                if id(work) in self._waited:
+                    continue
                 remaining = flush_deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -259,6 +276,7 @@ class GlooTransport(Transport):
             self._abort_nccl(group)
         finally:
             self._pending_sends.clear()
+            self._waited.clear()
             if self._pool is not None:
                 self._pool.clear()
             with _reserved_lock:
@@ -380,6 +398,15 @@ class GlooTransport(Transport):
                               "sending to")  # fmt: skip
         (self._wait_data if data else self._wait_gloo)(work, ctx)
 
+    def _settle_staged(self, work: Any, peer: int) -> None:
+        """Wait for the send that last read a pool buffer about to be written again; it
+        stays in the pending list (in order) but is not waited for a second time."""
+        if id(work) in self._waited:  # reap() waited for it already
+            self._waited.discard(id(work))
+            return
+        self._settle(work, peer, data=True)
+        self._waited.add(id(work))
+
     def _stage(self, tensor: Any, peer: int, slot: int, mb: int) -> tuple[Any, Any]:
         """(tensor to send, pool key or None): on the connector's device, contiguous."""
         if self._pool is not None:
@@ -388,7 +415,7 @@ class GlooTransport(Transport):
                 peer=peer,
                 slot=slot,
                 mb=mb,
-                settle=lambda w: self._settle(w, peer, data=True),
+                settle=lambda w: self._settle_staged(w, peer),
             )
         t = tensor if tensor.device == self._device else tensor.to(self._device)
         return t.contiguous(), None
@@ -437,7 +464,12 @@ class GlooTransport(Transport):
         pending = self._pending_sends
         while len(pending) > self._max_pending:
             work, peer, _, data = pending.popleft()
+            if id(work) in self._waited:  # the pool waited for it already
+                self._waited.discard(id(work))
+                continue
             self._settle(work, peer, data=data)
+            if data and self._pool is not None:  # the pool holds it until its buffer's reuse
+                self._waited.add(id(work))
 
     def recv_frame(self, ctx: TransferContext) -> Frame:
         [frame] = self.recv_frames(ctx, (ctx.peer,))

@@ -85,7 +85,7 @@ _LIVENESS_EVERY_S = 0.02
 _SPIN_BURST = 32
 _CLOSE_DRAIN_S = 1.0
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int64": 8,
-                "float8_e4m3fn": 1, "int8": 1}  # fmt: skip
+                "float8_e4m3fn": 1, "int8": 1, "uint8": 1}  # fmt: skip
 
 _FRAME_CACHE = 4096
 _VIEW_CACHE = 1024

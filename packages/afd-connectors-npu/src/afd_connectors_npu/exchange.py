@@ -14,13 +14,26 @@ The ops come from ``ops_factory`` (tests pass :meth:`FakeCAMFabric.ops_factory
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar
 
 from afd_connectors_npu.ops import A2EMessage, CAMOps, CAMOpsFactory, E2AMessage
-from afd_connectors_npu.routing import A2ECodec, A2EMeta, E2AMeta, decode_e2a, encode_e2a
+from afd_connectors_npu.routing import (
+    A2E_META_LEN as _A2E_META_LEN,
+)
+from afd_connectors_npu.routing import (
+    E2A_META_LEN as _E2A_META_LEN,
+)
+from afd_connectors_npu.routing import (
+    A2ECodec,
+    A2EMeta,
+    E2AMeta,
+    decode_e2a,
+    encode_e2a,
+)
 from afd_connectors_npu.validation import (
     admission_settings,
     shape_from_vllm_config,
@@ -42,8 +55,8 @@ from afd_core.exchange import (
     TransferContext,
     Transport,
 )
-from afd_core.transfer import AttentionToFFN, FFNToAttention, layout_of
-from afd_core.wire import Frame, make_frame
+from afd_core.transfer import WIRE_DTYPES, AttentionToFFN, FFNToAttention, layout_of
+from afd_core.wire import Frame, dtype_from_code, make_frame
 
 __all__ = ["CAMConnector", "CAMTransport", "EXTRA_CONFIG_KEYS"]
 
@@ -59,6 +72,28 @@ EXTRA_CONFIG_KEYS: Mapping[str, ExtraKey] = MappingProxyType(
 
 # The FFN side's wait for the next step re-arms the CAM receive this often.
 _IDLE_POLL_S = 1.0
+
+
+def _encoded_meta(meta: tuple[int, ...], frame: Frame) -> tuple[int, ...]:
+    """A message's meta with the frame's encoding appended: the dtype the elements
+    dequantize to (the meta's header names the element dtype, as the operators see the
+    tensor), the scale dtype and the scales per row. Unchanged without an encoding."""
+    if frame.encoding is None:
+        return meta
+    _, scales, columns = frame.encoding
+    return (*meta, WIRE_DTYPES[frame.header.dtype], WIRE_DTYPES[scales], columns)
+
+
+def _split_meta(
+    meta: tuple[int, ...], plain_len: int
+) -> tuple[tuple[int, ...], tuple[str, str, int] | None, str | None]:
+    """(the meta a codec decodes, the frame's encoding, the dtype to dequantize to)."""
+    if len(meta) != plain_len + 3:
+        return meta, None, None
+    logical, scales, columns = meta[plain_len:]
+    plain = meta[:plain_len]
+    elements = dtype_from_code(plain[4])  # the header's dtype word
+    return plain, (elements, dtype_from_code(scales), columns), dtype_from_code(logical)
 
 
 def _default_ops_factory(config: AFDConfig, rank: int) -> CAMOps:
@@ -143,7 +178,10 @@ class CAMTransport(Transport):
         assert ops is not None
         for peer, frame, tensors in messages:
             h = frame.header
-            payload = layout_of(h.kind).build(tensors)
+            scales = None
+            if frame.encoding is not None:  # the main tensor's scales travel last
+                *tensors, scales = tensors
+            payload = layout_of(h.kind).build(list(tensors))
             rank = c.topology.role_rank_of(peer)[1]
             if isinstance(payload, AttentionToFFN):
                 c._check_a2f(payload)
@@ -154,6 +192,10 @@ class CAMTransport(Transport):
                     sender=c.rank,
                     token_ids_width=c._token_ids_width,
                 )
+                if scales is not None:
+                    message = dataclasses.replace(
+                        message, meta=_encoded_meta(message.meta, frame), hidden_scales=scales
+                    )
                 self._post_a2f(ops, rank, message, (h.layer_idx, h.micro_batch_idx))
             else:
                 assert isinstance(payload, FFNToAttention)
@@ -161,6 +203,11 @@ class CAMTransport(Transport):
                 message_e2a = encode_e2a(
                     payload, layer_idx=h.layer_idx, micro_batch_idx=h.micro_batch_idx, sender=c.rank
                 )  # fmt: skip
+                if scales is not None:
+                    message_e2a = dataclasses.replace(
+                        message_e2a, meta=_encoded_meta(message_e2a.meta, frame),
+                        output_scales=scales,
+                    )  # fmt: skip
                 self._post_f2a(ops, rank, message_e2a)
 
     def recv_frame(self, ctx: TransferContext) -> Frame:
@@ -173,7 +220,10 @@ class CAMTransport(Transport):
         rank = c.topology.role_rank_of(ctx.peer)[1]
         payload: AttentionToFFN | FFNToAttention
         if c.role is AFDRole.FFN:
-            meta, payload = c.codec.decode(self._take(ctx, lambda t: self._take_a2f(ops, rank, t)))
+            a2e = self._take(ctx, lambda t: self._take_a2f(ops, rank, t))
+            plain, encoding, logical = _split_meta(a2e.meta, _A2E_META_LEN)
+            scales = a2e.hidden_scales
+            meta, payload = c.codec.decode(dataclasses.replace(a2e, meta=plain))
             if meta.sender != rank:
                 raise AFDTransferMismatchError(
                     f"{c.label}: message from attention rank {rank} says it was sent by "
@@ -181,12 +231,25 @@ class CAMTransport(Transport):
                 )
             c._check_a2f_received(meta)
         else:
-            e2a, payload = decode_e2a(self._take(ctx, lambda t: self._take_f2a(ops, rank, t)))
+            message = self._take(ctx, lambda t: self._take_f2a(ops, rank, t))
+            plain, encoding, logical = _split_meta(message.meta, _E2A_META_LEN)
+            scales = message.output_scales
+            e2a, payload = decode_e2a(dataclasses.replace(message, meta=plain))
             self._settle_send((e2a.header.layer_idx, e2a.header.micro_batch_idx), ctx.timeout)
             c._check_f2a_received(e2a)
             meta = e2a
         tensors, aux = layout_of(meta.header.kind).tensors(payload)
-        frame = make_frame(meta.header, aux, ctx.peer)
+        header = meta.header
+        if encoding is not None:
+            if scales is None:
+                raise AFDTransferMismatchError(
+                    f"{c.label}: CAM meta announces {encoding[0]} elements with scales, but the "
+                    "message carries none"
+                )
+            assert logical is not None
+            header = dataclasses.replace(header, dtype=logical)
+            tensors = [*tensors, scales]
+        frame = make_frame(header, aux, ctx.peer, encoding)
         self._current[ctx.peer] = (frame, list(tensors))
         return frame
 

@@ -69,6 +69,9 @@ class A2EMessage:
     hidden_states: Any
     ids: Any | None = None
     scales: Any | None = None
+    hidden_scales: Any | None = None
+    """The scales of ``hidden_states`` sent in a low-precision transfer dtype
+    (``afd.transfer_dtype``; ``[tokens, columns]``), or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,8 @@ class E2AMessage:
     meta: tuple[int, ...]
     output: Any
     extra: Any | None = None
+    output_scales: Any | None = None
+    """The scales of ``output`` sent in ``afd.transfer_dtype_return``, or None."""
 
 
 @runtime_checkable

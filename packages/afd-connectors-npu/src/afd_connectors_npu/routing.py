@@ -45,6 +45,8 @@ __all__ = [
     "decode_e2a",
     "INT32_MIN",
     "INT32_MAX",
+    "A2E_META_LEN",
+    "E2A_META_LEN",
 ]
 
 INT32_MIN = -(2**31)
@@ -52,6 +54,10 @@ INT32_MAX = 2**31 - 1
 _DTYPE_BY_CODE = {code: name for name, code in WIRE_DTYPES.items()}
 _A2E_META_LEN = TransferHeader.WIRE_LEN + 4
 _E2A_META_LEN = TransferHeader.WIRE_LEN + 2
+A2E_META_LEN = _A2E_META_LEN
+"""Words of an A2E meta (a message in a low-precision transfer dtype appends 3, see
+``afd_connectors_npu.exchange``)."""
+E2A_META_LEN = _E2A_META_LEN
 
 
 class IdsChannel(enum.IntEnum):

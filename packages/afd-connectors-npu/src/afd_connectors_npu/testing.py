@@ -56,8 +56,14 @@ def _copy(message: _Message) -> _Message:
             _clone(message.hidden_states),
             _clone(message.ids),
             _clone(message.scales),
+            _clone(message.hidden_scales),
         )
-    return E2AMessage(tuple(message.meta), _clone(message.output), _clone(message.extra))
+    return E2AMessage(
+        tuple(message.meta),
+        _clone(message.output),
+        _clone(message.extra),
+        _clone(message.output_scales),
+    )
 
 
 @dataclass(frozen=True)

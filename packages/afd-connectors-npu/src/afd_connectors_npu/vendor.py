@@ -49,7 +49,7 @@ from afd_connectors_npu.ops import (
 from afd_connectors_npu.routing import IdsChannel
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connect import RendezvousBackend, TCPRendezvous
-from afd_core.errors import AFDConnectorClosedError, AFDTimeoutError
+from afd_core.errors import AFDConfigError, AFDConnectorClosedError, AFDTimeoutError
 from afd_core.topology import AFDTopology
 from afd_core.transfer import PayloadKind, TransferHeader
 
@@ -81,6 +81,15 @@ def load_vendor_cam_ops(config: AFDConfig, rank: int) -> CAMOps:
     """
     import importlib
 
+    if config.transfer_dtype != "model" or config.transfer_dtype_return != "model":
+        # The adapters' signatures (above) carry no activation scales; a quantized
+        # message would lose them. The fake operators carry them (A2EMessage.hidden_scales,
+        # E2AMessage.output_scales): the conformance suite runs every transfer dtype there.
+        raise AFDConfigError(
+            f"{config.connector}: the Ascend CAM binding moves no activation scales, so "
+            f"afd.transfer_dtype={config.transfer_dtype!r} / transfer_dtype_return="
+            f"{config.transfer_dtype_return!r} cannot travel over it; set both to 'model'"
+        )
     extra = config.connector_extra_config
     try:
         import torch

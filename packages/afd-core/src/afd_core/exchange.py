@@ -54,6 +54,7 @@ from afd_core.transfer import (
     dtype_name,
     layout_of,
 )
+from afd_core.transfer_dtype import TransferFormat, format_of_wire, transfer_format
 from afd_core.wire import Frame, make_frame
 
 __all__ = [
@@ -129,7 +130,44 @@ def idle_rank_error(connector: AFDConnector) -> AFDConfigError:
 def _layer_key(frame: Frame) -> tuple[Any, ...]:
     """What every attention peer of one FFN rank must agree on (all but the token count)."""
     h = frame.header
-    return (h.layer_idx, h.micro_batch_idx, h.hidden_size, h.dtype, h.kind, h.topk, frame.aux_dtype)
+    return (
+        h.layer_idx, h.micro_batch_idx, h.hidden_size, h.dtype, h.kind, h.topk, frame.aux_dtype,
+        frame.encoding,
+    )  # fmt: skip
+
+
+def _format(name: str) -> TransferFormat | None:
+    """The quantized format a side sends in, or None for ``model`` (tensors untouched)."""
+    fmt = transfer_format(name)
+    return fmt if fmt.quantized else None
+
+
+def _encode(
+    tensors: Sequence[Any], fmt: TransferFormat | None
+) -> tuple[Sequence[Any], tuple[str, str, int] | None]:
+    """A message's tensors in the sender's transfer dtype (the main tensor quantized, its
+    scales last) and the frame's encoding; untouched for ``model``."""
+    if fmt is None:
+        return tensors, None
+    from afd_core.quantize import encode_message
+
+    return encode_message(list(tensors), fmt)
+
+
+def _decode(tensors: list[Any], frame: Frame) -> list[Any]:
+    """Received tensors with the main tensor back in the header's dtype (a frame with no
+    encoding: as received)."""
+    if frame.encoding is None:
+        return tensors
+    from afd_core.quantize import decode_message
+
+    h = frame.header
+    elements, scales, columns = frame.encoding
+    try:
+        fmt = format_of_wire(elements, scales, columns, h.hidden_size)
+    except ValueError as exc:
+        raise AFDTransferMismatchError(f"layer {h.layer_idx}: {exc}") from None
+    return decode_message(tensors, fmt, h.dtype)
 
 
 def _aux(result: FFNToAttention) -> str | None:
@@ -303,6 +341,14 @@ class ExchangeConnector(AFDConnector):
         self._sent: dict[tuple[int, int], TransferHeader] = {}
         # Peer global rank -> why the connection to it cannot be used any more.
         self._broken: dict[int, str] = {}
+        # The transfer dtype this side sends in (None: the model dtype, tensors untouched):
+        # afd.transfer_dtype for Attention's hidden states, transfer_dtype_return for the
+        # FFN's answers. A receiver decodes what the frame says.
+        self._send_format = _format(
+            config.transfer_dtype
+            if self.role is AFDRole.ATTENTION
+            else config.transfer_dtype_return
+        )
         self.transport = self.transport_class(self)
 
     # -- what transports use -----------------------------------------------------------
@@ -370,9 +416,10 @@ class ExchangeConnector(AFDConnector):
             peer = self.peers[0]
             if self._broken:
                 self._check_peer(peer)
-            frame = make_frame(header, aux, self.global_rank)
+            wire, encoding = _encode(tensors, self._send_format)
+            frame = make_frame(header, aux, self.global_rank, encoding)
             ctx = self._context(peer, None, "sending to", micro_batch_idx)
-            transport.send(ctx, [(peer, frame, tensors)])
+            transport.send(ctx, [(peer, frame, wire)])
             self._sent[key] = header
         finally:
             self._ops.pop()
@@ -430,7 +477,7 @@ class ExchangeConnector(AFDConnector):
         transport.reap()
         if problem:
             raise AFDTransferMismatchError(f"{self.label} <- {self.describe(peer)}: {problem}")
-        result = layout_of(header.kind).build(tensors)
+        result = layout_of(header.kind).build(_decode(tensors, frame))
         assert isinstance(result, FFNToAttention)
         return result
 
@@ -478,7 +525,8 @@ class ExchangeConnector(AFDConnector):
         transport.reap()
         ctx.mb = mb = head.micro_batch_idx
         ctx.action = self._action(head.layer_idx, mb)
-        payload = layout_of(head.kind).build(transport.recv_tensors(ctx, parts, frame.specs))
+        tensors = transport.recv_tensors(ctx, parts, frame.specs)
+        payload = layout_of(head.kind).build(_decode(tensors, frame))
         assert isinstance(payload, AttentionToFFN)
         total = sum(counts)
         if head.num_tokens != total:
@@ -537,9 +585,10 @@ class ExchangeConnector(AFDConnector):
                 # its answer once the row count matches (else answers() says why).
                 header = result.header(batch.layer_idx, mb)
                 if header.num_tokens == batch.header.num_tokens and not self._broken:
-                    frame = make_frame(header, _aux(result), self.global_rank)
                     out, sh = result.output, result.shared_output
-                    transport.send(ctx, [(peers[0], frame, [out] if sh is None else [out, sh])])
+                    wire, encoding = _encode([out] if sh is None else [out, sh], self._send_format)
+                    frame = make_frame(header, _aux(result), self.global_rank, encoding)
+                    transport.send(ctx, [(peers[0], frame, wire)])
                     return
             answers = batch.answers(result, serving=self._peer_role_ranks, who=self.label)
             transport.send(ctx, self._messages(batch, answers, _aux(result)))
@@ -556,9 +605,10 @@ class ExchangeConnector(AFDConnector):
             peer = self.peers[self._peer_role_ranks.index(role_rank)]
             if self._broken:
                 self._check_peer(peer)
-            frame = make_frame(part.header(layer, mb), aux, self.global_rank)
             out, sh = part.output, part.shared_output
-            yield peer, frame, [out] if sh is None else [out, sh]
+            wire, encoding = _encode([out] if sh is None else [out, sh], self._send_format)
+            frame = make_frame(part.header(layer, mb), aux, self.global_rank, encoding)
+            yield peer, frame, wire
 
     # -- plumbing ------------------------------------------------------------------------
     def _enter(self, role: AFDRole, method: str) -> Transport:

@@ -34,15 +34,17 @@ rule's saturation: a scaled value in [448, 512) becomes 448, off by at most 1/8 
 (``fp8`` and ``int8`` scale each row by its own amax and never saturate).
 
 The formats (names, element and scale dtypes, block) are the wire contract
-:mod:`afd_core.transfer_dtype`, re-exported here; the codecs live with the runners (which
-build and read the exchange's payloads; afd-core imports neither torch nor vLLM). Torch is
-imported inside the functions, so :func:`bytes_per_token` is cheap to import.
+:mod:`afd_core.transfer_dtype`, re-exported here. The codecs live in afd-core because the
+exchange protocol (:class:`afd_core.exchange.ExchangeConnector`) applies them to every
+transport, below the runners' tensor- and expert-parallel wrappers: torch is imported
+inside the functions only (as :mod:`afd_core.tcp_store` does), which only a connector
+moving tensors calls, so importing afd-core still imports no torch.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from afd_core.transfer_dtype import (
     MX_BLOCK,
@@ -69,6 +71,8 @@ __all__ = [
     "bytes_per_token",
     "quantize",
     "dequantize",
+    "encode_message",
+    "decode_message",
 ]
 
 FP8_E4M3_MAX = 448.0
@@ -156,3 +160,24 @@ def dequantize(
     if blocks * fmt.block < hidden:
         raise ValueError(f"mxfp8: {blocks} scales per row cannot cover {hidden} elements")
     return (values * factors).to(dtype)
+
+
+def encode_message(
+    tensors: list[Any], fmt: TransferFormat
+) -> tuple[list[Any], tuple[str, str, int]]:
+    """A message's tensors (main tensor first, in wire order) with the main tensor in
+    ``fmt``: ``[elements, *extras, scales]``, and the frame's encoding words (element
+    dtype, scale dtype, scale columns). The extras travel as they are."""
+    from afd_core.transfer import dtype_name
+
+    elements, scales = quantize(tensors[0], fmt)
+    encoding = (dtype_name(elements.dtype), dtype_name(scales.dtype), int(scales.shape[1]))
+    return [elements, *tensors[1:], scales], encoding
+
+
+def decode_message(tensors: list[Any], fmt: TransferFormat, dtype: str) -> list[Any]:
+    """Inverse of :func:`encode_message`: the main tensor dequantized to ``dtype`` (the
+    header's, i.e. the model dtype), the scales dropped."""
+    import torch
+
+    return [dequantize(tensors[0], tensors[-1], fmt, getattr(torch, dtype)), *tensors[1:-1]]

@@ -98,6 +98,7 @@ WIRE_DTYPES: dict[str, int] = {
     "int64": 5,
     "float8_e4m3fn": 6,
     "int8": 7,
+    "uint8": 8,
 }
 _DTYPE_BY_CODE = {code: name for name, code in WIRE_DTYPES.items()}
 

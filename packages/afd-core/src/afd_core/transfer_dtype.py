@@ -5,7 +5,7 @@ A transfer dtype other than ``model`` sends a ``[tokens, hidden]`` tensor as 8-b
 elements plus scales, both in one message (:class:`~afd_core.wire.Frame` words 10-11
 name the scales; ``docs/architecture.md``, "Payload layout"). This module is the
 contract both roles agree on (names, element and scale dtypes, block size) and imports
-no tensor library; the codecs are ``afd_moe_runners.quantize``.
+no tensor library; the codecs are :mod:`afd_core.quantize`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,12 @@ A frame is ``FRAME_LEN`` int64 values: the :class:`~afd_core.transfer.TransferHe
   shared-expert output; 0 when there is none) — the header only names the dtype of
   the main tensor;
 * ``[9]`` the sender's global rank (for error messages);
-* ``[10:16]`` reserved, 0.
+* ``[10:13]`` the main tensor's encoding when it travels in a low-precision transfer
+  dtype (:mod:`afd_core.transfer_dtype`; all 0 otherwise): the wire dtype code of its
+  elements, the wire dtype code of its scales and the scales per row. The header's
+  ``dtype`` stays the dtype the receiver dequantizes to (the model dtype), and the scales
+  ``[tokens, columns]`` follow the other tensors, in the same message;
+* ``[13:16]`` reserved, 0.
 
 The tensors follow in a fixed order that depends only on the header's kind, so a
 receiver allocates every buffer from the frame alone. Empty tensors (zero-token
@@ -52,6 +57,8 @@ class Frame:
     header: TransferHeader
     aux_dtype: str | None = None
     sender: int = -1
+    encoding: tuple[str, str, int] | None = None
+    """(element dtype, scale dtype, scales per row) of a quantized main tensor, or None."""
     words: tuple[int, ...] = field(init=False, repr=False, compare=False)
     """The encoded frame (``FRAME_LEN`` ints), computed once."""
     packed: bytes = field(init=False, repr=False, compare=False)
@@ -62,10 +69,22 @@ class Frame:
 
     def __post_init__(self) -> None:
         specs = layout_of(self.header.kind).specs(self.header, self.aux_dtype)
+        encoding = self.encoding
+        if encoding is not None:
+            elements, scales, columns = encoding
+            if columns < 1 or self.header.kind is PayloadKind.SHUTDOWN:
+                raise AFDTransferMismatchError(
+                    f"frame: a {self.header.kind.name} message with encoding {encoding} "
+                    "(a quantized main tensor needs >= 1 scale per row and a layer's payload)"
+                )
+            specs[0] = (specs[0][0], elements)
+            specs.append(((columns,), scales))
         object.__setattr__(self, "specs", tuple(specs))
         words = list(self.header.encode())
         words.append(0 if self.aux_dtype is None else wire_dtype_code(self.aux_dtype))
         words.append(self.sender)
+        if encoding is not None:
+            words += [wire_dtype_code(encoding[0]), wire_dtype_code(encoding[1]), encoding[2]]
         words.extend([0] * (FRAME_LEN - len(words)))
         object.__setattr__(self, "words", tuple(words))
         object.__setattr__(self, "packed", struct.pack(f"<{FRAME_LEN}q", *words))
@@ -81,10 +100,16 @@ class Frame:
             )
         header = TransferHeader.decode(values[: TransferHeader.WIRE_LEN])
         aux = values[TransferHeader.WIRE_LEN]
+        first = TransferHeader.WIRE_LEN + 2
+        elements, scales, columns = values[first : first + 3]
+        encoding = None
+        if elements or scales or columns:
+            encoding = (dtype_from_code(elements), dtype_from_code(scales), columns)
         return cls(
             header=header,
             aux_dtype=None if aux == 0 else dtype_from_code(aux),
             sender=values[TransferHeader.WIRE_LEN + 1],
+            encoding=encoding,
         )
 
     @classmethod
@@ -101,7 +126,12 @@ class Frame:
 
 
 @functools.lru_cache(maxsize=8192)
-def make_frame(header: TransferHeader, aux_dtype: str | None, sender: int) -> Frame:
+def make_frame(
+    header: TransferHeader,
+    aux_dtype: str | None,
+    sender: int,
+    encoding: tuple[str, str, int] | None = None,
+) -> Frame:
     """A :class:`Frame`, shared between calls with the same values (frames are immutable
     and repeat every step), so the hot path encodes each only once."""
-    return Frame(header, aux_dtype, sender)
+    return Frame(header, aux_dtype, sender, encoding)

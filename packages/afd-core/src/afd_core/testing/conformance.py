@@ -24,6 +24,7 @@ stays next to its check.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -49,6 +50,7 @@ __all__ = [
     "Scenario",
     "ConnectorHarness",
     "SCENARIOS",
+    "TRANSFER_SCENARIOS",
     "TOPOLOGIES",
     "run_scenario",
     "conformance_cases",
@@ -774,6 +776,114 @@ def _close_check(results: Results, topology: AFDTopology) -> None:
 
 
 # ---------------------------------------------------------------------------------
+# scenarios: low-precision transfer dtypes (afd.transfer_dtype / transfer_dtype_return)
+# ---------------------------------------------------------------------------------
+
+# One case per layer: (hidden size, tokens(rank) rule). 40 is not a multiple of the MX
+# block (a last, shorter block); "uneven_with_zero" gives some ranks empty messages.
+_TRANSFER_CASES: tuple[tuple[int, str], ...] = (
+    (40, "uneven"),
+    (64, "uneven_with_zero"),
+    (16, "one"),
+)
+
+
+def _round_trip(x: torch.Tensor, name: str) -> torch.Tensor:
+    """What a receiver gets for ``x`` sent in transfer dtype ``name`` (``model``: ``x``)."""
+    from afd_core.quantize import dequantize, quantize, transfer_format
+
+    fmt = transfer_format(name)
+    if not fmt.quantized:
+        return x
+    elements, scales = quantize(x, fmt)
+    return dequantize(elements, scales, fmt, x.dtype)
+
+
+def _transfer_hidden(rank: int, layer: int) -> torch.Tensor:
+    hidden_size, rule = _TRANSFER_CASES[layer]
+    n = _shape_tokens(rule, rank)
+    # Rows of very different magnitudes: a per-tensor scale would lose the small ones.
+    scale = torch.logspace(-2, 2, max(n, 1))[:n, None]
+    return (make_hidden(rank, layer, 0, n, hidden_size, torch.float32) * scale).to(torch.bfloat16)
+
+
+def _transfer_run(connector: AFDConnector, ctx: RankContext) -> Any:
+    if ctx.role is AFDRole.FFN:
+        return _serve(connector, ctx, len(_TRANSFER_CASES), keep_tensors=True)
+    outs = []
+    for layer in range(len(_TRANSFER_CASES)):
+        hidden = _transfer_hidden(ctx.rank, layer)
+        payload = AttentionToFFN(hidden, **_routing(ctx.rank, layer, hidden.shape[0], "topk"))
+        connector.send_to_ffn(payload, layer_idx=layer)
+        outs.append(connector.recv_from_ffn(layer_idx=layer).output)
+    return outs
+
+
+def _transfer_check(results: Results, topology: AFDTopology, *, to_ffn: str, back: str) -> None:
+    """The FFN side receives exactly the dequantized hidden states (model dtype, routing
+    untouched) and each attention rank exactly the dequantized answer to them: a transport
+    that drops, reorders or truncates the elements or their scales changes the values."""
+    for a in range(topology.num_attention_ranks):
+        outs = _ok(results, ("attention", a))
+        for layer in range(len(_TRANSFER_CASES)):
+            received = _round_trip(_transfer_hidden(a, layer), to_ffn)
+            want = _round_trip(ffn_function(received, layer), back)
+            _assert_tensor(f"attention rank {a} layer {layer} ({to_ffn}/{back})", outs[layer], want)
+
+    def expected(f: int) -> list[dict[str, Any]]:
+        peers = topology.attention_peers_of(f)
+        if not peers:
+            return []
+        log = []
+        for layer, (hidden_size, _) in enumerate(_TRANSFER_CASES):
+            hidden = [_transfer_hidden(a, layer) for a in peers]
+            routing = [
+                _routing(a, layer, h.shape[0], "topk") for a, h in zip(peers, hidden, strict=True)
+            ]
+            log.append(
+                {
+                    "layer_idx": layer,
+                    "dtype": "bfloat16",
+                    "hidden_size": hidden_size,
+                    "kind": PayloadKind.HIDDEN_TOPK.name,
+                    "token_counts": tuple(h.shape[0] for h in hidden),
+                    "hidden_states": torch.cat([_round_trip(h, to_ffn) for h in hidden]),
+                    "topk_ids": torch.cat([r["topk_ids"] for r in routing]),
+                    "topk_weights": torch.cat([r["topk_weights"] for r in routing]),
+                }
+            )
+        return log
+
+    _check_ffn_log(results, topology, expected)
+
+
+def _transfer_scenario(to_ffn: str, back: str) -> Scenario:
+    name = f"transfer_{to_ffn}" if to_ffn == back else f"transfer_{to_ffn}_return_{back}"
+    return Scenario(
+        name,
+        _transfer_run,
+        functools.partial(_transfer_check, to_ffn=to_ffn, back=back),
+        MappingProxyType(
+            {
+                "compute_gate_on_attention": True,
+                "routing_payload": "topk",
+                "transfer_dtype": to_ffn,
+                "transfer_dtype_return": back,
+            }
+        ),
+    )
+
+
+#: One scenario per quantized transfer dtype both ways, and one with each direction in
+#: its own setting (mxfp8 to the FFN, answers in the model dtype).
+TRANSFER_SCENARIOS: tuple[Scenario, ...] = (
+    _transfer_scenario("fp8", "fp8"),
+    _transfer_scenario("mxfp8", "mxfp8"),
+    _transfer_scenario("int8", "int8"),
+    _transfer_scenario("mxfp8", "model"),
+)
+
+# ---------------------------------------------------------------------------------
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
@@ -830,6 +940,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         requires=_has_fan_in,
     ),
     Scenario("close_unblocks_receive", _close_run, _close_check),
+    *TRANSFER_SCENARIOS,
 )
 
 TOPOLOGIES: tuple[AFDTopology, ...] = (
