@@ -1,8 +1,12 @@
 """Per-layer round-trip latency of the P2P AFD connectors vs a shared-memory floor.
 
     python tools/bench_connector.py [--iters N] [--json PATH] [--connector NAME ...]
+        [--transfer-dtype model|fp8|mxfp8|int8 ...]
 
-Measures P2pGlooAFDConnector and P2pShmAFDConnector by default.
+Measures P2pGlooAFDConnector and P2pShmAFDConnector by default, in the model dtype
+(bf16); ``--transfer-dtype`` (repeatable) measures each connector in each transfer dtype,
+both ways (``afd.transfer_dtype`` and ``transfer_dtype_return``: the round trip includes
+the quantization on each sender and the dequantization on each receiver).
 
 Attention sends ``[tokens, hidden]`` bf16, the FFN side echoes it back; one round trip
 is ``send_to_ffn`` + ``recv_from_ffn`` on the attention rank. The floor is the same
@@ -44,7 +48,7 @@ def _pin(cpu: int | None) -> None:
 
 
 def _connector_rank(
-    role: str, connector: str, port: int, iters: int, cpu: int | None, out: Any
+    role: str, connector: str, dtype: str, port: int, iters: int, cpu: int | None, out: Any
 ) -> None:
     _pin(cpu)
     import torch
@@ -54,7 +58,15 @@ def _connector_rank(
     from afd_core.transfer import AttentionToFFN, FFNToAttention
 
     torch.set_num_threads(1)
-    config = AFDConfig(role=role, connector=connector, port=port, rank=0, connect_timeout_s=60)
+    config = AFDConfig(
+        role=role,
+        connector=connector,
+        port=port,
+        rank=0,
+        connect_timeout_s=60,
+        transfer_dtype=dtype,
+        transfer_dtype_return=dtype,
+    )
     conn = get_connector_class(connector)(config, rank=0)
     conn.init()
     try:
@@ -74,7 +86,11 @@ def _connector_rank(
                 elapsed = time.perf_counter() - start
                 if i >= WARMUP:
                     samples.append(elapsed)
-            assert torch.equal(y.output, x)
+            if dtype == "model":
+                assert torch.equal(y.output, x)
+            else:  # quantized twice (there and back): within a few 8-bit steps of each row
+                err = (y.output.float() - x.float()).abs().amax(1) / x.float().abs().amax(1)
+                assert float(err.max()) < 0.3, (dtype, float(err.max()))
             timings[f"{tokens}x{hidden}"] = samples
         if role == "attention":
             out.put(timings)
@@ -181,8 +197,20 @@ def main() -> None:
     parser.add_argument(
         "--no-pin", action="store_true", help="do not give the two processes a CPU each"
     )
+    parser.add_argument(
+        "--transfer-dtype",
+        action="append",
+        choices=("model", "fp8", "mxfp8", "int8"),
+        help="transfer dtype(s) to measure each connector in (default: model)",
+    )
     args = parser.parse_args()
-    connectors = args.connector or list(DEFAULT_CONNECTORS)
+    dtypes = args.transfer_dtype or ["model"]
+    runs = [
+        (name, dtype, name if dtype == "model" else f"{name}[{dtype}]")
+        for name in args.connector or list(DEFAULT_CONNECTORS)
+        for dtype in dtypes
+    ]
+    connectors = [label for _, _, label in runs]
     usable = sorted(os.sched_getaffinity(0))
     cpus: tuple[int | None, int | None] = (None, None)
     if not args.no_pin and len(usable) >= 2:
@@ -201,9 +229,9 @@ def main() -> None:
     flags = torch.zeros(2, dtype=torch.int64).share_memory_()
     floor = _run_pair(ctx, _floor_rank, (a2f, f2a, flags, args.iters), cpus)
     measured = {}
-    for name in connectors:
+    for name, dtype, label in runs:
         port = free_port()
-        measured[name] = _run_pair(ctx, _connector_rank, (name, port, args.iters), cpus)
+        measured[label] = _run_pair(ctx, _connector_rank, (name, dtype, port, args.iters), cpus)
 
     machine = _machine()
     machine["load_avg_1m"] = os.getloadavg()[0]
@@ -234,7 +262,10 @@ def main() -> None:
         print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "iters": args.iters, "rows": rows}, f, indent=2)
+            report = {"machine": machine, "iters": args.iters, "rows": rows}
+            if args.transfer_dtype:
+                report["transfer_dtypes"] = dtypes
+            json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,8 @@ def _row(path: Path) -> tuple[str, str, str, str, str]:
         return date, link, _machine(data), command, _bench_result(data)
     if "rows" in data:
         command = f"python tools/bench_connector.py --iters {data.get('iters', 200)} --json OUT"
+        for dtype in data.get("transfer_dtypes") or []:
+            command += f" --transfer-dtype {dtype}"
         return date, link, _machine(data), command, _connector_result(data)
     differing = data.get("differing_prompts") or {}
     result = "; ".join(f"{pair}: {len(p)} of 10 prompts differ" for pair, p in differing.items())

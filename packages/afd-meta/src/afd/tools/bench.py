@@ -125,6 +125,14 @@ def run_bench(args: Any) -> int:
                     if args.micro_batch_min_tokens is not None
                     else {}
                 ),
+                **(
+                    {
+                        "transfer_dtype": args.transfer_dtype,
+                        "transfer_dtype_return": args.transfer_dtype,
+                    }
+                    if getattr(args, "transfer_dtype", None)
+                    else {}
+                ),
             },
             attention={"cpus": args.attention_cpus},
             ffn={"cpus": args.ffn_cpus},
@@ -315,6 +323,8 @@ def run_bench(args: Any) -> int:
             "connector": base.connector,
             "num_micro_batches": micro_batches,
             "micro_batch_min_tokens": base.afd.micro_batch_min_tokens,
+            "transfer_dtype": base.afd.transfer_dtype,
+            "transfer_dtype_return": base.afd.transfer_dtype_return,
             "thread_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
             "attention_cpus": args.attention_cpus,
             "ffn_cpus": args.ffn_cpus,

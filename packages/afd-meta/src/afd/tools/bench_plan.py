@@ -107,6 +107,13 @@ def add_bench_arguments(ap: Any) -> None:
         "has m requests)",
     )
     ap.add_argument(
+        "--transfer-dtype",
+        default=None,
+        choices=("model", "fp8", "mxfp8", "int8"),
+        help="afd.transfer_dtype and afd.transfer_dtype_return of the AFD deployment: the "
+        "format of the hidden states both ways (default model: the model dtype)",
+    )
+    ap.add_argument(
         "--repeat",
         type=int,
         default=1,
