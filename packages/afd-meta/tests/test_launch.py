@@ -86,17 +86,23 @@ def test_invalid_specs_fail_with_clear_errors(kwargs: dict, match: str) -> None:
 _NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
 
 
-def test_ngram_speculation_in_a_spec_passes_to_the_roles() -> None:
+def test_ngram_and_single_rank_mtp_in_a_spec_pass_to_the_roles() -> None:
     spec = DeploymentSpec(model="/m", num_attention=2, vllm_args=["--speculative-config", _NGRAM])
     assert spec.engine_args()[-2:] == ["--speculative-config", _NGRAM]
+    mtp = ["--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 1}']
+    assert DeploymentSpec(model="/m", vllm_args=mtp).engine_args()[-2:] == mtp
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         (
-            {"vllm_args": ["--speculative-config", '{"method": "deepseek_mtp"}']},
-            "vllm_args: speculative decoding method 'mtp' is not supported by afd (its drafter",
+            {"num_attention": 2, "vllm_args": ["-sc", '{"method": "deepseek_mtp"}']},
+            "vllm_args: speculative decoding method 'mtp' with 2 attention ranks is not",
+        ),
+        (
+            {"vllm_args": ["--speculative-config", '{"model": "some/draft-model"}']},
+            "vllm_args: speculative decoding method 'draft_model' is not supported by afd",
         ),
         (
             {"attention": {"vllm_args": ["--spec-method", "eagle3", "--spec-model", "e"]}},
@@ -118,6 +124,24 @@ def test_wrong_speculation_is_refused_before_anything_starts_in_one_line(
     with pytest.raises(SpecError) as refused:
         DeploymentSpec(model="/m", **kwargs)
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+def test_afd_launch_refuses_micro_batched_speculation_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`afd launch SPEC` exits 2 before starting anything, with one line naming the fix."""
+    from afd.cli import main
+
+    spec = tmp_path / "spec.toml"
+    spec.write_text(
+        f'model = "/m"\nvllm_args = ["--speculative-config", {json.dumps(_NGRAM)}]\n'
+        "[afd]\nnum_micro_batches = 2\n"
+    )
+    assert main(["launch", str(spec)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1, err
+    assert "afd.num_micro_batches=2 cannot be combined with speculative decoding" in err[0]
+    assert "set afd.num_micro_batches=1" in err[0]
 
 
 def test_a_native_baseline_takes_any_speculation() -> None:

@@ -133,8 +133,8 @@ def test_prepare_role_reads_the_role_under_its_alias_too() -> None:
 
 
 def test_the_ffn_role_checks_then_drops_a_speculative_config() -> None:
-    """vLLM's own EngineArgs, as the FFN server parses them: n-gram is dropped (the
-    Attention role speculates; no drafter on the FFN role), a drafter is refused."""
+    """vLLM's own EngineArgs, as the FFN server parses them: n-gram and MTP are dropped
+    (the Attention role speculates; no drafter on the FFN role), other drafters refused."""
     pytest.importorskip("vllm")
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -153,10 +153,11 @@ def test_the_ffn_role_checks_then_drops_a_speculative_config() -> None:
     flags = parsed("--spec-method", "ngram", "--spec-tokens", "2")
     drop_speculation(flags)
     assert (flags.spec_method, flags.spec_tokens) == (None, None)
-    with pytest.raises(
-        AFDConfigError, match=r"^afd serve --role ffn: speculative decoding method 'mtp'"
-    ):
-        drop_speculation(parsed("--speculative-config", '{"method": "deepseek_mtp"}'))
+    mtp = parsed("--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 1}')
+    drop_speculation(mtp)  # MTP runs whole on the Attention role
+    assert mtp.speculative_config is None
+    with pytest.raises(AFDConfigError, match=r"^afd serve --role ffn: .* method 'eagle3' is not"):
+        drop_speculation(parsed("--speculative-config", '{"method": "eagle3", "model": "e"}'))
     plain = parsed()
     drop_speculation(plain)
     assert plain.speculative_config is None

@@ -285,27 +285,36 @@ def test_speculative_method_is_named_as_vllm_names_it(config: object, method: st
     assert speculative_method(config) == method
 
 
-def test_ngram_speculative_decoding_passes_and_drafter_models_are_refused_in_one_line() -> None:
-    """n-gram (draft-free) passes the start-up checks; a drafter with weights (MTP,
-    EAGLE, a draft model) is refused in one line naming the method and what to use."""
+def test_ngram_and_mtp_pass_and_other_drafters_are_refused_in_one_line() -> None:
+    """n-gram (draft-free) and MTP on one attention rank (the drafter runs whole on the
+    Attention role) pass the start-up checks; MTP with several attention ranks and every
+    other drafter with weights are refused in one line naming the method."""
     from afd_moe_runners.start_up import reject_unsupported_options
 
-    def config(spec: object) -> SimpleNamespace:
+    def config(spec: object, dp: int = 1) -> SimpleNamespace:
         return SimpleNamespace(
-            parallel_config=SimpleNamespace(enable_eplb=False, use_sequence_parallel_moe=False),
+            parallel_config=SimpleNamespace(
+                enable_eplb=False, use_sequence_parallel_moe=False, data_parallel_size=dp
+            ),
             speculative_config=spec,
             lora_config=None,
         )
 
     reject_unsupported_options(config(None), "tiny")
-    reject_unsupported_options(config(SimpleNamespace(method="ngram", model="ngram")), "tiny")
-    for method in ("mtp", "eagle", "eagle3", "draft_model", "medusa"):
+    reject_unsupported_options(config(SimpleNamespace(method="ngram", model="ngram"), 2), "tiny")
+    reject_unsupported_options(config(SimpleNamespace(method="mtp", model="/ckpt")), "tiny")
+    with pytest.raises(AFDConfigError) as refused:
+        reject_unsupported_options(config(SimpleNamespace(method="mtp", model="/c"), 2), "tiny")
+    message = str(refused.value)
+    assert "\n" not in message and "use one attention rank" in message
+    assert message.startswith("tiny: speculative decoding method 'mtp' with 2 attention ranks")
+    for method in ("eagle", "eagle3", "draft_model", "medusa"):
         with pytest.raises(AFDConfigError) as refused:
             reject_unsupported_options(config(SimpleNamespace(method=method, model="x")), "tiny")
         message = str(refused.value)
         assert "\n" not in message
         assert message.startswith(f"tiny: speculative decoding method {method!r} is not supported")
-        assert "use 'ngram'" in message
+        assert "use 'mtp', 'ngram'" in message
 
 
 @pytest.mark.parametrize("args", [["--speculative-config", '{"method": "ngram"}'],

@@ -7,9 +7,14 @@ FFN server and ``afd launch`` (before any process starts) ask the same functions
   the Attention role's side of vLLM; a verification step is a forward of the AFD model
   with up to ``1 + k`` tokens per request, which every layer's exchange carries like a
   prefill chunk (the token count travels with each message). Served.
-* a drafter with weights (DeepSeek MTP, EAGLE, a draft model) is a model of its own that
-  vLLM builds beside the AFD model: refused in one line naming the method
-  (docs/architecture.md, "Speculative decoding", says why and what the MTP plan is).
+* DeepSeek MTP (:data:`ATTENTION_DRAFTERS`, vLLM's ``mtp``): the MTP layer is a whole
+  decoder layer (MLA attention and an MoE block) that vLLM builds as the drafter beside the
+  AFD model, natively, from the same checkpoint; afd runs it whole on the Attention role,
+  its experts local (docs/architecture.md, "Speculative decoding", says why). Served with
+  one attention rank; with several, refused (the drafter's native MoE layer would be
+  sharded and dispatched across the attention ranks by vLLM's data-parallel MoE).
+* any other drafter with weights (EAGLE, a draft model, ...) is refused in one line
+  naming the method.
 * micro-batching (``afd.num_micro_batches > 1``) with any speculation: refused (the
   micro-batch plan splits requests; a verification step's draft rows would have to stay
   with their request, which the splitter does not promise yet).
@@ -25,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "ATTENTION_DRAFTERS",
     "DRAFT_FREE_METHODS",
     "SPECULATIVE_OPTIONS",
     "micro_batched_speculation_problem",
@@ -35,6 +41,9 @@ __all__ = [
 
 #: vLLM speculative methods afd serves: draft-free proposers on the Attention role.
 DRAFT_FREE_METHODS = frozenset({"ngram"})
+#: Drafters with weights afd serves, built and run whole (experts included) by vLLM on the
+#: Attention role: DeepSeek's MTP layer (vLLM names every ``*_mtp`` method ``mtp``).
+ATTENTION_DRAFTERS = frozenset({"mtp"})
 
 #: vLLM's command-line options that ask for speculative decoding (vllm/engine/arg_utils.py).
 SPECULATIVE_OPTIONS = (
@@ -70,16 +79,29 @@ def speculative_method(config: Mapping[str, Any] | Any | None) -> str | None:
     return method
 
 
-def speculative_problem(method: str | None, model_name: str) -> str | None:
-    """Why afd cannot serve speculative ``method`` (:func:`speculative_method`), or None
-    (no speculation, or a draft-free method)."""
+def speculative_problem(
+    method: str | None, model_name: str, *, num_attention_ranks: int = 1
+) -> str | None:
+    """Why afd cannot serve speculative ``method`` (:func:`speculative_method`) with
+    ``num_attention_ranks`` attention ranks, or None (no speculation, a draft-free
+    method, or MTP on one attention rank)."""
     if method is None or method in DRAFT_FREE_METHODS:
         return None
-    allowed = ", ".join(repr(m) for m in sorted(DRAFT_FREE_METHODS))
+    if method in ATTENTION_DRAFTERS:
+        if num_attention_ranks == 1:
+            return None
+        return (
+            f"{model_name}: speculative decoding method {method!r} with "
+            f"{num_attention_ranks} attention ranks is not supported by afd yet (the MTP "
+            "layer runs natively on the Attention role, where vLLM would shard its MoE "
+            "block across the data-parallel attention ranks); use one attention rank, or "
+            "method 'ngram'"
+        )
+    allowed = ", ".join(repr(m) for m in sorted(DRAFT_FREE_METHODS | ATTENTION_DRAFTERS))
     return (
         f"{model_name}: speculative decoding method {method!r} is not supported by afd (its "
         "drafter is a model of its own whose layers afd does not split); use "
-        f"{allowed} (draft-free, on the Attention role) or remove the speculative config"
+        f"{allowed} or remove the speculative config"
     )
 
 

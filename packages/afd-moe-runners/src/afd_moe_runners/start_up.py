@@ -242,7 +242,8 @@ def reject_unsupported_options(
             "its MoE layers on whole token batches"
         )
     method = speculative_method(getattr(vllm_config, "speculative_config", None))
-    problem = speculative_problem(method, model_name)
+    ranks = int(getattr(pc, "data_parallel_size", 1) or 1)
+    problem = speculative_problem(method, model_name, num_attention_ranks=ranks)
     if problem is not None:
         raise AFDConfigError(problem)
     if getattr(vllm_config, "lora_config", None) is not None:

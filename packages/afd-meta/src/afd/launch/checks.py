@@ -227,7 +227,8 @@ def check_speculation(spec: Any) -> None:
         raise SpecError(f"{where}: {exc}") from None
     if settings is None:
         return
-    problem = speculative_problem(speculative_method(settings), where)
+    method = speculative_method(settings)
+    problem = speculative_problem(method, where, num_attention_ranks=spec.num_attention)
     if problem is None and spec.afd.num_micro_batches > 1:
         problem = f"{where}: {micro_batched_speculation_problem(spec.afd.num_micro_batches)}"
     if problem is not None:
