@@ -75,7 +75,7 @@ def _serve(spec: Path, tmp: Path, *args: str) -> tuple[list[list[int]], list[lis
 
 @pytest.mark.extended  # out of CI for its budget (3 + 1 processes; `nox -s tests-extended`)
 @pytest.mark.timeout(1200)
-def test_prefill_decode_with_afd_decode_equals_native_and_computes_each_prompt_once(
+def test_prefill_decode_with_afd_decode_equals_native_and_loads_each_whole_prompt_block(
     tiny_qwen_models: dict[str | None, Path], tmp_path: Path
 ) -> None:
     spec = tmp_path / "spec.toml"
