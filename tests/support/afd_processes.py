@@ -579,6 +579,14 @@ def stop_roles(roles: list[RoleProcess], grace_s: float = 10.0) -> dict[str, Any
 # ---------------------------------------------------------------- shared e2e flows
 
 
+def stop_cleanly(attention: RoleProcess, ffn: RoleProcess) -> None:
+    """SIGTERM both roles (:func:`stop_roles`); assert no process survived and both
+    exited 0."""
+    codes = stop_roles([attention, ffn], grace_s=10)
+    assert codes.pop("leftovers") == {}, "processes survived SIGTERM"
+    assert set(codes.values()) == {0}, (codes, attention.output[-2000:], ffn.output[-2000:])
+
+
 def afd_settings(gate: str, **extra: Any) -> dict[str, Any]:
     """The ``afd`` section for a gate placement: ``ffn``, ``attention-topk`` or
     ``attention-router_logits``; a fresh rendezvous port every time."""
@@ -664,9 +672,7 @@ def run_served_afd(
                     f"a role exited while the deployment was idle:\n{role.output[-3000:]}"
                 )
             got += [attention.complete(p) for p in prompts[half:]]
-        codes = stop_roles([attention, ffn], grace_s=10)
-        assert codes.pop("leftovers") == {}, "processes survived SIGTERM"
-        assert set(codes.values()) == {0}, (codes, attention.output[-2000:], ffn.output[-2000:])
+        stop_cleanly(attention, ffn)
     finally:
         attention.kill()
         ffn.kill()

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from afd_processes import FFNServer, Server, afd_settings, stop_roles
+from afd_processes import FFNServer, Server, afd_settings, stop_cleanly, stop_roles
 
 from afd.tools.client import post_json, served_model
 
@@ -118,9 +118,7 @@ def served_afd(
         ffn.wait_ready()
         attention.wait_ready()
         got = greedy_with_logprobs(attention.url, prompts)
-        codes = stop_roles([attention, ffn], grace_s=10)
-        assert codes.pop("leftovers") == {}, "processes survived SIGTERM"
-        assert set(codes.values()) == {0}, (codes, attention.output[-2000:], ffn.output[-2000:])
+        stop_cleanly(attention, ffn)
     finally:
         attention.kill()
         ffn.kill()
