@@ -13,7 +13,7 @@ from afd.cli import main
 from afd.launch.errors import SpecError
 from afd.plan.calibrate import fit
 from afd.plan.hardware import PRESETS, Hardware, hardware_toml, load_hardware
-from afd.plan.model import Layout, Workload, experts_hit, predict
+from afd.plan.model import Layout, Workload, cpu_placement, experts_hit, predict
 from afd.plan.search import Constraints, search
 from afd.plan.shapes import load_shape, shape_from_config
 from afd.plan.spec import plan_toml, validate_toml
@@ -264,17 +264,32 @@ def test_hardware_toml_round_trip_and_base(tmp_path):
         load_hardware(str(path))
 
 
-def _fake_calibration(tmp_path: Path, shape, hw: Hardware, context: float) -> Path:
-    """The files afd plan --calibrate's measurements write, from the model itself."""
-    levels = {}
-    for b in (1, 4, 16):
-        p = predict(shape, hw, Layout(), Workload(batch=b, context=context))
+def _fake_calibration(
+    tmp_path: Path,
+    shape,
+    hw: Hardware,
+    context: float,
+    run: str = "bench",
+    layout: Layout | None = None,
+    levels: tuple[int, ...] = (1, 4, 16),
+) -> Path:
+    """The files afd plan --calibrate's measurements write, from the model itself: the
+    profile of a 1A1F ``layout`` (``run``: ``bench``, the turn-taking one, or
+    ``bench-pinned``, one core per role) and the copy bandwidth."""
+    profile = {}
+    for b in levels:
+        p = predict(shape, hw, layout or Layout(), Workload(batch=b, context=context))
+        place = p.placement
+        assert place is not None
         n = shape.layers
+        speed = 1 + hw.attention_thread_eff * (place.attention_cores - 1)
         head = max(
-            2.0 * b * shape.vocab * shape.hidden / (hw.flops * hw.cores),
-            shape.vocab * shape.hidden * shape.weight_bytes / (hw.mem_bw * hw.bw_eff * hw.cores),
+            2.0 * b * shape.vocab * shape.hidden / hw.flops,
+            shape.vocab * shape.hidden * shape.weight_bytes / (hw.mem_bw * hw.bw_eff),
         )
-        levels[str(b)] = {
+        step_s, step_token_s = hw.step_figures(place.server_cores > 1)
+        wait = p.ffn_s + 2 * p.transfer_s + hw.exchange_fixed_s(place.shared)
+        profile[str(b)] = {
             "processes": [
                 {
                     "role": "attention",
@@ -284,16 +299,16 @@ def _fake_calibration(tmp_path: Path, shape, hw: Hardware, context: float) -> Pa
                     "ms_per_step": {
                         "attention": p.attention_s * n * 1e3,
                         "send": 0.0,
-                        "wait": (p.ffn_s + 2 * p.transfer_s + hw.exchange_s) * n * 1e3,
-                        "step_gap": (hw.step_s + hw.step_token_s * b + head) * 1e3,
+                        "wait": wait * n * 1e3,
+                        "step_gap": (step_s + step_token_s * b + head / speed) * 1e3,
                     },
                 },
                 {"role": "ffn", "steps": 100, "ms_per_step": {"compute": p.ffn_s * n * 1e3}},
             ]
         }
-    bench = tmp_path / "bench"
+    bench = tmp_path / run
     bench.mkdir()
-    report = {"settings": {"usable_cpus": "0-1"}, "profile": {"runs": {"1": {"levels": levels}}}}
+    report = {"settings": {"usable_cpus": "0-1"}, "profile": {"runs": {"1": {"levels": profile}}}}
     (bench / "bench.json").write_text(json.dumps(report))
     (tmp_path / "memory.json").write_text(json.dumps({"copy_bw_per_core": hw.mem_bw}))
     return tmp_path
@@ -326,3 +341,135 @@ def test_calibration_fit_recovers_known_figures(tmp_path):
         assert predict(shape, hw, Layout(), Workload(b, 48.0)).tpot_s == pytest.approx(
             want, rel=0.05
         )
+
+
+def test_calibration_on_both_placements_recovers_the_cpu_terms(tmp_path):
+    """A pinned run (one core per role) gives the per-core figures, the turn-taking run
+    what the second core adds, the exchange on shared CPUs and the step with the
+    attention server on both cores; the five validation layouts' TPOT follow."""
+    shape = shape_from_config(BENCH)
+    truth = dataclasses.replace(
+        PRESETS["cpu"],
+        flops=40e9,
+        mem_bw=12e9,
+        bw_eff=0.5,
+        attention_flops_eff=1.0,
+        ffn_flops_eff=1.0,
+        attention_layer_s=0.4e-3,
+        ffn_layer_s=0.6e-3,
+        exchange_s=0.1e-3,
+        shared_exchange_s=0.3e-3,
+        step_s=5e-3,
+        step_token_s=0.1e-3,
+        spread_step_s=4e-3,
+        spread_step_token_s=0.05e-3,
+        attention_thread_eff=0.4,
+        ffn_thread_eff=0.6,
+    )
+    levels = (1, 3, 6, 12, 24, 48)
+    _fake_calibration(tmp_path, shape, truth, 48.0, "bench", Layout(), levels)
+    pinned = Layout(own_cpus=True)
+    _fake_calibration(tmp_path, shape, truth, 48.0, "bench-pinned", pinned, levels)
+    hw, points = fit(shape, tmp_path, context=48.0)
+    assert points["per_core_run"] == "bench-pinned"
+    assert hw.attention_thread_eff == pytest.approx(0.4, abs=0.02)
+    assert hw.ffn_thread_eff == pytest.approx(0.6, abs=0.02)
+    assert hw.exchange_s == pytest.approx(0.1e-3, rel=0.05)
+    assert hw.shared_exchange_s == pytest.approx(0.3e-3, rel=0.05)
+    assert hw.step_s == pytest.approx(5e-3, rel=0.02)
+    assert hw.spread_step_s == pytest.approx(4e-3, rel=0.02)
+    assert hw.spread_step_token_s == pytest.approx(0.05e-3, rel=0.05)
+    for layout in (
+        Layout(),
+        Layout(micro_batches=2),
+        Layout(2, 1, 1),
+        Layout(1, 2, 1),
+        Layout(1, 1, 2, True),
+    ):
+        for c in (8, 32):
+            w = Workload(c / layout.num_attention, 48.0)
+            want = predict(shape, truth, layout, w).tpot_s
+            assert predict(shape, hw, layout, w).tpot_s == pytest.approx(want, rel=0.02)
+
+
+def test_cpu_placement_is_the_launchers():
+    """On 2 CPUs: 1A1F m=1 takes turns on both, m=2 splits them, Attention TP2 + 1 FFN
+    shares them round robin (afd.launch.placement.plan_cpus), 2A1F and EP2 are left to
+    vLLM, which binds every attention worker to CPU 0 and gives each FFN rank one
+    unbound thread."""
+    from afd.launch import DeploymentSpec
+    from afd.launch.placement import plan_cpus
+
+    cases = {
+        Layout(): (2, 2, True, 2),
+        Layout(micro_batches=2): (1, 1, False, 1),
+        Layout(own_cpus=True): (1, 1, False, 1),
+        Layout(1, 2, 1): (1, 1, True, 2),
+        Layout(2, 1, 1): (0.5, 1, True, 2),
+        Layout(1, 1, 2, True): (1, 1, True, 2),
+    }
+    for layout, want in cases.items():
+        p = cpu_placement(2, layout)
+        assert (p.attention_cores, p.ffn_cores, p.shared, p.server_cores) == want, layout
+    for layout, kw in (
+        (Layout(micro_batches=2), {}),
+        (Layout(1, 2, 1), {"attention_tensor_parallel_size": 2}),
+    ):
+        spec = DeploymentSpec(model="/m", afd={"num_micro_batches": layout.micro_batches}, **kw)
+        planned, _ = plan_cpus(spec, [], [0, 1])
+        assert cpu_placement(2, layout).text == ", ".join(f"{k}={v}" for k, v in planned.items())
+    for kw in ({"num_attention": 2}, {"num_ffn": 2, "ffn_expert_parallel": True}):
+        assert plan_cpus(DeploymentSpec(model="/m", **kw), [], [0, 1])[0] == {}
+    # four CPUs: 2A1F gets one each (attention 0|1, FFN 2-3)
+    p = cpu_placement(4, Layout(2, 1, 1))
+    assert (p.attention_cores, p.ffn_cores, p.shared) == (1, 2, False)
+
+
+def test_hand_computed_cpu_threads_and_shared_exchange():
+    """A block on e cores: its fixed time + its one-core variable time / (1 + eff (e - 1));
+    two processes on one CPU: both stretched by 2. The exchange costs
+    shared_exchange_s where role processes share CPUs, exchange_s where they do not."""
+    s = shape_from_config(SMALL)
+    cpu = dataclasses.replace(
+        ROUND,
+        kind="cpu",
+        cores=2,
+        attention_layer_s=1e-3,
+        ffn_layer_s=2e-3,
+        exchange_s=1e-4,
+        shared_exchange_s=5e-4,
+        attention_thread_eff=0.5,
+        ffn_thread_eff=0.25,
+    )
+    w = Workload(batch=1, context=0)
+    turns = predict(s, cpu, Layout(), w)
+    pinned = predict(s, cpu, Layout(own_cpus=True), w)
+    # the one-token attention reads 8.39 MB at 1 GB/s (test_hand_computed_one_token_1a1f)
+    assert pinned.attention_s == pytest.approx(1e-3 + 8.388608e-3)
+    assert turns.attention_s == pytest.approx(1e-3 + 8.388608e-3 / 1.5)
+    assert turns.ffn_s == pytest.approx(2e-3 + 6.30784e-3 / 1.25)
+    assert pinned.layer_s == pytest.approx(
+        pinned.attention_s + pinned.ffn_s + 2 * pinned.transfer_s + 1e-4
+    )
+    assert turns.layer_s == pytest.approx(
+        turns.attention_s + turns.ffn_s + 2 * turns.transfer_s + 5e-4
+    )
+    # 2A1F on 2 CPUs: both attention workers on CPU 0 take twice as long, the CPUs are
+    # shared
+    two = predict(s, cpu, Layout(2, 1, 1), w)
+    assert two.attention_s == pytest.approx(2 * (1e-3 + 8.388608e-3))
+    assert two.layer_s == pytest.approx(two.attention_s + two.ffn_s + 2 * two.transfer_s + 5e-4)
+
+
+def test_step_outside_the_layers_depends_on_the_servers_cores():
+    """The step outside the layers: step_* with the attention server on one CPU (1A1F
+    m=2 on 2 CPUs), spread_step_* with it on both (2A1F: left to vLLM, unbound)."""
+    s = shape_from_config(SMALL)
+    cpu = dataclasses.replace(
+        ROUND, kind="cpu", cores=2, step_s=5e-3, step_token_s=1e-4, spread_step_s=3e-3
+    )
+    plain = dataclasses.replace(cpu, spread_step_s=-1.0)
+    w = Workload(batch=10, context=0)
+    for layout, gain in ((Layout(micro_batches=2), 0.0), (Layout(2, 1, 1), 5e-3 + 10e-4 - 3e-3)):
+        got = predict(s, plain, layout, w).tpot_s - predict(s, cpu, layout, w).tpot_s
+        assert got == pytest.approx(gain, abs=1e-12)

@@ -1,18 +1,22 @@
 """``afd plan --calibrate``: measure this host and fit its :class:`Hardware` figures.
 
-Two measurements, both by the tools that already exist (nothing re-implemented here):
+The measurements, all by the tools that already exist (nothing re-implemented here):
 
 * ``afd bench --profile --modes afd`` on a 1A1F deployment of the given checkpoint at a
-  few concurrency levels: the per-layer spans of :mod:`afd.tools.profile` (attention
-  block, FFN compute, send / wait, step gap) per level, with the tokens per step;
+  few concurrency levels, twice: placed as the launcher places it (the roles take turns
+  on every CPU) and pinned (each role on one CPU of its own): the per-layer spans of
+  :mod:`afd.tools.profile` (attention block, FFN compute, send / wait, step gap) per
+  level, with the tokens per step;
 * ``tools/bench_connector.py`` (a source checkout's tool): the connector's round trip
   at several sizes.
 
-:func:`fit` turns them into figures: per role a fixed per-layer time plus an effective
-FLOP rate (least squares over the levels, the rate on a log grid), the exchange's fixed
-cost (what the attention waits beyond the FFN's compute, plus its send), the step's
-fixed and per-token time outside the layers, and the link's latency and bandwidth. The
-1A1F deployment takes turns on every core, so the rates are per core x the host's cores.
+:func:`fit` turns them into figures: from the pinned run, per role a fixed per-layer
+time plus an effective FLOP rate per core (least squares over the levels, the rate on a
+log grid), the exchange's fixed cost (what the attention waits beyond the FFN's
+compute, plus its send) and the step's fixed and per-token time outside the layers;
+from the turn-taking run, what each further core adds to a role's block, the exchange's
+cost on shared CPUs and the step with the server on every CPU (docs/plan.md, "CPU
+hosts"); from the connector, the link's latency and bandwidth.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from afd.plan.shapes import ModelShape
 
 __all__ = ["fit", "measure"]
 
-LEVELS = (1, 4, 16)
+#: Concurrency levels of the calibration runs (one attention rank: the batch per step),
+#: spanning the batches a small CPU host serves.
+LEVELS = (1, 3, 6, 12, 24, 48)
 
 
 def _connector_tool() -> Path | None:
@@ -66,19 +72,33 @@ def measure_memory_bw(size_mib: int = 256, repeats: int = 5) -> float:
         torch.set_num_threads(threads)
 
 
+def _bench(model: str, out: Path, levels: Sequence[int], extra: Sequence[str]) -> list[str]:
+    return [
+        *(sys.executable, "-m", "afd.cli", "bench", "--model", model, "--modes", "afd"),
+        *("--concurrency", ",".join(map(str, levels)), "--output-len", "64", "--profile"),
+        *("--no-plot", "--out", str(out), *extra),
+    ]
+
+
 def measure(model: str, out: Path, levels: Sequence[int] = LEVELS, say: Any = print) -> None:
-    """Run the measurements into ``out`` (memory.json, bench/bench.json, connector.json)."""
+    """Run the measurements into ``out``: memory.json, bench/bench.json (1A1F as the
+    launcher places it: the roles take turns on every CPU), bench-pinned/bench.json (1A1F
+    with each role on one CPU of its own), connector.json."""
     out.mkdir(parents=True, exist_ok=True)
     bw = measure_memory_bw()
     say(f"calibrate: one core copies {bw / 1e9:.1f} GB/s")
     (out / "memory.json").write_text(json.dumps({"copy_bw_per_core": bw}), encoding="utf-8")
-    bench = [
-        *(sys.executable, "-m", "afd.cli", "bench", "--model", model, "--modes", "afd"),
-        *("--concurrency", ",".join(map(str, levels)), "--output-len", "64", "--profile"),
-        *("--no-plot", "--out", str(out / "bench")),
-    ]
-    say("calibrate: " + " ".join(bench[2:]))
-    subprocess.run(bench, check=True)
+    from afd.launch.cpus import usable_cpus
+
+    cpus = usable_cpus()
+    runs = [(out / "bench", [])]
+    if len(cpus) >= 2:
+        pinned = ["--attention-cpus", str(cpus[0]), "--ffn-cpus", str(cpus[-1])]
+        runs.append((out / "bench-pinned", pinned))
+    for where, extra in runs:
+        cmd = _bench(model, where, levels, extra)
+        say("calibrate: " + " ".join(cmd[2:]))
+        subprocess.run(cmd, check=True)
     tool = _connector_tool()
     if tool is None:
         say("calibrate: tools/bench_connector.py not found (no source checkout): link kept")
@@ -94,7 +114,7 @@ def _grid_fit(
 ) -> tuple[float, float, float, float]:
     """Fit ``t = t0 + max(flops / F, bytes / (bw * eff))`` to (flops, bytes, t) points:
     (t0, F, eff, rms error). F on a log grid (1e7 .. 1e11 FLOP/s), eff among ``effs``,
-    t0 the mean residual (>= 0). Among equal fits the highest F wins: a block whose
+    t0 the median residual (>= 0). Among equal fits the highest F wins: a block whose
     points are all memory-bound says only that its FLOP rate is at least that high."""
     best = (0.0, 1.0, 1.0, float("inf"))
     for eff in effs:
@@ -102,7 +122,8 @@ def _grid_fit(
             rate = 10 ** (7 + i * 0.005)
             roofs = [max(f / rate, b / (bw * eff)) for f, b, _ in points]
             res = [t - r for (_, _, t), r in zip(points, roofs, strict=True)]
-            t0 = max(0.0, statistics.fmean(res))
+            # the median residual: a level disturbed by other work does not move it
+            t0 = max(0.0, statistics.median(res))
             err = statistics.fmean((t0 - d) ** 2 for d in res)
             if err < best[3] * (1 - 1e-9):
                 best = (t0, rate, eff, err)
@@ -119,11 +140,90 @@ def _linear(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return max(0.0, icept), slope
 
 
+@dataclasses.dataclass(frozen=True)
+class _Level:
+    """One concurrency level of a profiled 1A1F run, per MoE layer (seconds)."""
+
+    batch: float
+    attention: float
+    ffn: float
+    #: what the attention sends and waits beyond the FFN's compute
+    exchange: float
+    #: the step outside the layers (per step)
+    gap: float
+
+
+def _levels(path: Path) -> list[_Level]:
+    report = json.loads(path.read_text(encoding="utf-8"))
+    out = []
+    for level in report["profile"]["runs"]["1"]["levels"].values():
+        procs = {p["role"]: p for p in level["processes"] if p["steps"]}
+        a, f = procs["attention"], procs["ffn"]
+        n = max(int(a["exchanges_per_step"]), 1)
+        ms_a, ms_f = a["ms_per_step"], f["ms_per_step"]
+        out.append(
+            _Level(
+                batch=float(a["tokens_first_layer_median"]),
+                attention=ms_a["attention"] / n / 1e3,
+                ffn=ms_f["compute"] / n / 1e3,
+                exchange=(ms_a["send"] + ms_a["wait"] - ms_f["compute"]) / n / 1e3,
+                gap=ms_a["step_gap"] / 1e3,
+            )
+        )
+    return out
+
+
+def _attention_work(shape: ModelShape, b: float, context: float) -> tuple[float, float]:
+    """(FLOPs, bytes) of one layer's attention block for ``b`` tokens."""
+    return (
+        b * shape.attention_flops_per_token(context),
+        shape.attention_params * shape.weight_bytes + b * context * shape.kv_elems_per_token * 2,
+    )
+
+
+def _ffn_work(shape: ModelShape, b: float) -> tuple[float, float]:
+    """(FLOPs, bytes) of one layer's FFN block for ``b`` tokens on the only FFN rank."""
+    from afd.plan.model import experts_hit
+
+    pairs = b * shape.top_k
+    hit = experts_hit(b, shape.experts, shape.top_k)
+    return (
+        2.0 * (pairs * shape.expert_params + b * (shape.shared_params + shape.router_params)),
+        (hit * shape.expert_params + shape.shared_params + shape.router_params)
+        * shape.weight_bytes,
+    )
+
+
+def _thread_fit(
+    points: Sequence[tuple[float, float]], t0: float, cores: int
+) -> tuple[float, float, float]:
+    """Fit ``t = t0 + delta + variable / (1 + eff (cores - 1))`` to (variable time on one
+    core, measured time on ``cores``) points: (eff on a grid of 0.01 in [0, 1], delta >=
+    0 the median residual: a fixed cost the block pays on shared CPUs, rms error)."""
+    best = (1.0, 0.0, float("inf"))
+    for i in range(100, -1, -1):
+        eff = i / 100
+        speed = 1.0 + eff * (cores - 1)
+        res = [t - t0 - v / speed for v, t in points]
+        delta = max(0.0, statistics.median(res))
+        err = statistics.fmean((r - delta) ** 2 for r in res)
+        if err < best[2] * (1 - 1e-9):
+            best = (eff, delta, err)
+    return best[0], best[1], best[2] ** 0.5
+
+
 def fit(
     shape: ModelShape, directory: Path, context: float = 48.0, cores: int | None = None
 ) -> tuple[Hardware, dict[str, Any]]:
     """The host's :class:`Hardware` from :func:`measure`'s results in ``directory``, and
-    the fitted points (for the report)."""
+    the fitted points (for the report).
+
+    With ``bench-pinned`` (each role on one core of its own) the per-core figures come
+    from there, and the turn-taking run (both roles on every core) gives what more
+    threads add (``*_thread_eff``), the exchange's cost on shared CPUs and the step with
+    the attention server on every core. Without it (one core: no pinned run; or an old
+    calibration) everything comes from the turn-taking run, whose rates are taken as
+    per core x the cores (linear in the threads)."""
     report = json.loads((directory / "bench" / "bench.json").read_text(encoding="utf-8"))
     base = PRESETS["cpu"]
     usable = str(report["settings"].get("usable_cpus") or "")
@@ -131,39 +231,18 @@ def fit(
         from afd.launch.cpus import parse_cpu_list
 
         cores = len(parse_cpu_list(usable)) if usable else base.cores
-    levels = report["profile"]["runs"]["1"]["levels"]
-    att, ffn, exch, gap = [], [], [], []
+    turns = _levels(directory / "bench" / "bench.json")
+    pinned_path = directory / "bench-pinned" / "bench.json"
+    pinned = _levels(pinned_path) if pinned_path.is_file() else []
+    # the per-core run: pinned, else the turn-taking one with its work spread over the cores
+    own, per = (pinned, 1) if pinned else (turns, cores)
     wb, h = shape.weight_bytes, shape.hidden
-    for level in levels.values():
-        procs = {p["role"]: p for p in level["processes"] if p["steps"]}
-        a, f = procs["attention"], procs["ffn"]
-        n = max(int(a["exchanges_per_step"]), 1)
-        b = float(a["tokens_first_layer_median"])
-        ms_a, ms_f = a["ms_per_step"], f["ms_per_step"]
-        att.append(
-            (
-                b * shape.attention_flops_per_token(context) / cores,
-                (shape.attention_params * wb + b * context * shape.kv_elems_per_token * 2) / cores,
-                ms_a["attention"] / n / 1e3,
-            )
-        )
-        pairs = b * shape.top_k
-        from afd.plan.model import experts_hit
-
-        hit = experts_hit(b, shape.experts, shape.top_k)
-        ffn.append(
-            (
-                2.0
-                * (pairs * shape.expert_params + b * (shape.shared_params + shape.router_params))
-                / cores,
-                (hit * shape.expert_params + shape.shared_params + shape.router_params)
-                * wb
-                / cores,
-                ms_f["compute"] / n / 1e3,
-            )
-        )
-        exch.append((b, (ms_a["send"] + ms_a["wait"] - ms_f["compute"]) / n / 1e3))
-        gap.append((b, ms_a["step_gap"] / 1e3))
+    att = [
+        (f / per, by / per, lv.attention)
+        for lv in own
+        for f, by in [_attention_work(shape, lv.batch, context)]
+    ]
+    ffn = [(f / per, by / per, lv.ffn) for lv in own for f, by in [_ffn_work(shape, lv.batch)]]
     mem_path = directory / "memory.json"
     bw = base.mem_bw
     if mem_path.is_file():
@@ -187,19 +266,57 @@ def fit(
         # regression is dominated by the largest sizes)
         small_b, small_t = min(conn_points)
         link_lat = max(0.0, (small_t - 2 * small_b / link_bw) / 2)
-    # the exchange's fixed cost: what the attention pays per layer beyond the FFN's
-    # compute and the link's two transfers
-    x = statistics.fmean(
-        max(0.0, t - 2 * (link_lat + b * h * shape.act_bytes / link_bw)) for b, t in exch
-    )
-    head = [
-        max(
-            2.0 * b * shape.vocab * h / (a_rate * cores),
-            shape.vocab * h * wb / (bw * bw_eff * cores),
+
+    def exchange(levels: Sequence[_Level]) -> float:
+        # what the attention pays per layer beyond the FFN's compute and the link's two
+        # transfers (the median over the levels: one level disturbed by other work on the
+        # host does not move it)
+        return statistics.median(
+            max(0.0, lv.exchange - 2 * (link_lat + lv.batch * h * shape.act_bytes / link_bw))
+            for lv in levels
         )
-        for b, _ in gap
-    ]
-    s0, s1 = _linear([b for b, _ in gap], [t - hd for (_, t), hd in zip(gap, head, strict=True)])
+
+    def variable_a(b: float) -> float:
+        f, by = _attention_work(shape, b, context)
+        return max(f / a_rate, by / (bw * bw_eff))
+
+    def variable_f(b: float) -> float:
+        f, by = _ffn_work(shape, b)
+        return max(f / f_rate, by / (bw * bw_eff))
+
+    def step(levels: Sequence[_Level], speed: float) -> tuple[float, float]:
+        head = [
+            max(2.0 * lv.batch * shape.vocab * h / a_rate, shape.vocab * h * wb / (bw * bw_eff))
+            / speed
+            for lv in levels
+        ]
+        return _linear(
+            [lv.batch for lv in levels], [lv.gap - hd for lv, hd in zip(levels, head, strict=True)]
+        )
+
+    x = exchange(own)
+    s0, s1 = step(own, float(per))
+    figures: dict[str, Any] = {}
+    if pinned:
+        a_eff, a_delta, a_terr = _thread_fit(
+            [(variable_a(lv.batch), lv.attention) for lv in turns], a0, cores
+        )
+        f_eff, f_delta, f_terr = _thread_fit(
+            [(variable_f(lv.batch), lv.ffn) for lv in turns], f0, cores
+        )
+        shared_x = exchange(turns) + a_delta + f_delta
+        t0, t1 = step(turns, 1.0 + a_eff * (cores - 1))
+        figures = {
+            "attention_thread_eff": a_eff,
+            "ffn_thread_eff": f_eff,
+            "shared_exchange_s": shared_x,
+            "spread_step_s": t0,
+            "spread_step_token_s": t1,
+        }
+        thread_points = {
+            "attention": {"eff": a_eff, "shared_fixed_s": a_delta, "rms_s": a_terr},
+            "ffn": {"eff": f_eff, "shared_fixed_s": f_delta, "rms_s": f_terr},
+        }
     hw = dataclasses.replace(
         base,
         name="cpu-calibrated",
@@ -217,9 +334,13 @@ def fit(
         mem_bw=bw,
         cores=cores,
         devices_per_node=cores,
-        source=f"afd plan --calibrate on this host ({cores} cores), model {shape.name}",
+        source=f"afd plan --calibrate on this host ({cores} cores"
+        + (", pinned and turn-taking 1A1F" if pinned else ", turn-taking 1A1F")
+        + f"), model {shape.name}",
+        **figures,
     )
     points = {
+        "per_core_run": "bench-pinned" if pinned else "bench (turns, / cores)",
         "attention": {"points": att, "layer_s": a0, "flops": a_rate, "rms_s": a_err},
         "ffn": {
             "points": ffn,
@@ -228,10 +349,20 @@ def fit(
             "bw_eff": bw_eff,
             "rms_s": f_err,
         },
-        "exchange": {"points": exch, "exchange_s": x},
-        "step_gap": {"points": gap, "step_s": s0, "step_token_s": s1},
+        "exchange": {"points": [(lv.batch, lv.exchange) for lv in own], "exchange_s": x},
+        "step_gap": {
+            "points": [(lv.batch, lv.gap) for lv in own],
+            "step_s": s0,
+            "step_token_s": s1,
+        },
         "connector": {"points": conn_points, "latency_s": link_lat, "bw": link_bw},
         "context": context,
         "loadavg": report.get("machine", {}),
     }
+    if pinned:
+        points["turns"] = {
+            "levels": [dataclasses.asdict(lv) for lv in turns],
+            "threads": thread_points,
+            **figures,
+        }
     return hw, points

@@ -110,6 +110,7 @@ def format_plans(plans: list[Prediction], hw_name: str) -> str:
             f"{p.transfer_s * 1e6:>8.1f} {p.tpot_s * 1e3:>8.2f} "
             f"{p.throughput_per_device:>10.1f} {p.mem_attention_bytes / 2**30:>9.2f} "
             f"{p.mem_ffn_bytes / 2**30:>9.2f} {p.bound}"
+            + (f" [{p.placement.text}]" if p.placement else "")
         )
     return "\n".join(lines)
 
@@ -133,6 +134,7 @@ def _as_json(p: Prediction) -> dict[str, Any]:
         "mem_attention_gib": p.mem_attention_bytes / 2**30,
         "mem_ffn_gib": p.mem_ffn_bytes / 2**30,
         "bound": p.bound,
+        "cpus": p.placement.text if p.placement else None,
     }
 
 

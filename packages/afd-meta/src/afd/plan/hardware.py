@@ -64,8 +64,36 @@ class Hardware:
     #: CPU hosts: how many cores all the role processes share (0 on GPU/NPU, where
     #: every rank has a device of its own). See docs/plan.md, "CPU hosts".
     cores: int = 0
+    #: CPU hosts, how a role process's speed depends on where ``afd launch`` places it
+    #: (docs/plan.md, "CPU hosts"): what each further core of one process (its OpenMP
+    #: threads) adds to a block beyond the block's fixed time, as a share of one core: a
+    #: block on e >= 1 cores runs 1 + eff (e - 1) times as fast (1.0: linear).
+    attention_thread_eff: float = 1.0
+    ffn_thread_eff: float = 1.0
+    #: CPU hosts: the exchange's fixed cost per layer when role processes share CPUs (the
+    #: waiting role's threads sleep and must be woken and given a CPU the other role has
+    #: just used), instead of ``exchange_s`` (each process on CPUs of its own, which are
+    #: idle when it is woken). Negative: ``exchange_s``.
+    shared_exchange_s: float = -1.0
+    #: CPU hosts: the step outside the layers (``step_s`` + ``step_token_s`` x batch) when
+    #: the attention server's scheduler and API processes may use several cores; the
+    #: ``step_*`` figures are those of an attention server confined to one core.
+    #: Negative: the ``step_*`` figures.
+    spread_step_s: float = -1.0
+    spread_step_token_s: float = -1.0
     #: Where the figures come from (printed with the plans).
     source: str = ""
+
+    def exchange_fixed_s(self, shared: bool) -> float:
+        """The exchange's fixed cost: on CPUs shared between role processes or not."""
+        return self.shared_exchange_s if shared and self.shared_exchange_s >= 0 else self.exchange_s
+
+    def step_figures(self, spread: bool) -> tuple[float, float]:
+        """(fixed, per token) time of a step outside the layers: with the attention
+        server's processes on several cores (``spread``) or on one."""
+        if spread and self.spread_step_s >= 0:
+            return self.spread_step_s, max(0.0, self.spread_step_token_s)
+        return self.step_s, self.step_token_s
 
     def dense_flops(self, weight_bytes: float) -> float:
         """Peak FLOP/s for weights of ``weight_bytes`` bytes per element."""

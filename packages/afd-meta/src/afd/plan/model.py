@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from afd.plan.hardware import Hardware
 from afd.plan.shapes import ModelShape
 
-__all__ = ["Layout", "Prediction", "Workload", "experts_hit", "predict"]
+__all__ = [
+    "CpuPlacement",
+    "Layout",
+    "Prediction",
+    "Workload",
+    "cpu_placement",
+    "experts_hit",
+    "predict",
+]
 
 
 @dataclass(frozen=True)
@@ -27,6 +35,10 @@ class Layout:
     #: The router runs on the attention rank and sends top-k with the hidden states
     #: (EP dispatch: each token only to the FFN ranks of its experts).
     gate_on_attention: bool = False
+    #: CPU hosts: the spec gives the roles CPUs of their own (``[attention] cpus`` /
+    #: ``[ffn] cpus``, split as the launcher would), so 1A1F with one micro-batch does not
+    #: take turns on every CPU (how ``afd plan --calibrate`` measures one core per role).
+    own_cpus: bool = False
 
     @property
     def devices(self) -> int:
@@ -75,6 +87,8 @@ class Prediction:
     why_not: str = ""
     #: What bounds the MoE layer: "attention", "ffn", "exchange" or "cores".
     bound: str = ""
+    #: CPU hosts: where the launcher puts the role processes (the model's view of it).
+    placement: CpuPlacement | None = None
 
 
 def experts_hit(tokens: float, experts: int, top_k: int) -> float:
@@ -89,36 +103,112 @@ def _roof(flops: float, bytes_: float, peak: float, bw: float) -> float:
     return max(flops / peak, bytes_ / bw)
 
 
-def _threads(hw: Hardware, layout: Layout) -> tuple[float, float]:
-    """(cores per attention worker, cores per FFN rank) on a CPU host, as
-    ``afd launch`` places the roles (afd.launch.placement.plan_cpus): 1A1F with one
-    micro-batch takes turns on every core; otherwise the cores are split between the
-    processes, and processes beyond the cores share them (the pool bound in
-    :func:`predict` charges that)."""
-    if hw.cores <= 0:
-        return 1.0, 1.0
+@dataclass(frozen=True)
+class CpuPlacement:
+    """Where ``afd launch`` puts a layout's role processes on a CPU host
+    (:func:`afd.launch.placement.plan_cpus`, vLLM's own binding where the launcher sets
+    none), as the model needs it. See docs/plan.md, "CPU hosts"."""
+
+    #: Cores one attention worker computes on while the attention blocks run, and the
+    #: busiest FFN rank while the FFN blocks run; below 1: a CPU that processes of the
+    #: same phase take turns on (the OS time-slices it).
+    attention_cores: float
+    ffn_cores: float
+    #: Whether role processes share CPUs: a woken role waits for the CPUs another one has
+    #: just used (the exchange costs ``shared_exchange_s``), instead of finding its own idle.
+    shared: bool
+    #: CPUs the attention server's scheduler / API processes may use.
+    server_cores: int
+    #: What the launcher does, for the printout: "attn=0, ffn0=1".
+    text: str = ""
+
+
+def cpu_placement(cores: int, layout: Layout) -> CpuPlacement:
+    """The placement of ``layout``'s role processes on ``cores`` CPUs, by the launcher's
+    own rules (afd.launch.placement.plan_cpus with no CPUs given in the spec):
+
+    * 1 attention worker + 1 FFN rank, one micro-batch (the roles take turns): both on
+      every CPU, their OpenMP threads sleeping soon after work;
+    * otherwise, with at least one CPU per process, each its own block
+      (:func:`~afd.launch.cpus.split_cpus`);
+    * fewer CPUs than processes with attention TP: one CPU each, round robin, the FFN
+      ranks from the last CPU (:func:`~afd.launch.cpus.share_cpus`);
+    * fewer CPUs than processes otherwise: the launcher leaves the binding to vLLM,
+      whose automatic binding puts every attention worker's OpenMP threads on the same
+      CPUs (all but one reserved CPU of the first NUMA node), while an FFN server (its
+      worker in its own process) binds nothing: vLLM cuts its torch threads to one
+      ("Reducing Torch threads ... for serving"), which floats over every CPU.
+    """
+    from afd.launch.cpus import parse_cpu_list, share_cpus, split_cpus
+
     lay = layout
-    if (lay.num_attention, lay.attention_tp, lay.num_ffn, lay.micro_batches) == (1, 1, 1, 1):
-        return float(hw.cores), float(hw.cores)
-    each = max(1.0, float(hw.cores // lay.processes))
-    return each, each
+    workers = lay.num_attention * lay.attention_tp
+    nf = lay.num_ffn
+    usable = list(range(cores))
+    every = f"0-{cores - 1}" if cores > 1 else "0"
+    if (workers, nf, lay.micro_batches) == (1, 1, 1) and cores >= 2 and not lay.own_cpus:
+        return CpuPlacement(cores, cores, True, cores, f"attn={every}, ffn0={every} (turns)")
+    split = split_cpus(usable, workers, nf)
+    if split is not None:
+        attn = [parse_cpu_list(v) for v in split["attn"].split("|")]
+        ffn = [parse_cpu_list(split[f"ffn{f}"]) for f in range(nf)]
+        text = ", ".join(f"{k}={v}" for k, v in split.items())
+        server = len({c for block in attn for c in block})
+        return CpuPlacement(len(attn[0]), min(len(b) for b in ffn), False, server, text)
+    if lay.attention_tp > 1:
+        shared = share_cpus(usable, workers, nf)
+        attn_ids = [int(c) for c in shared["attn"].split("|")]
+        ffn_ids = [int(shared[f"ffn{f}"]) for f in range(nf)]
+        # a phase's processes on one CPU take turns on it
+        a = 1.0 / max(attn_ids.count(c) for c in attn_ids)
+        f = 1.0 / max(ffn_ids.count(c) for c in ffn_ids)
+        text = ", ".join(f"{k}={v}" for k, v in shared.items())
+        return CpuPlacement(a, f, True, len(set(attn_ids)), text)
+    # vLLM's automatic binding: every attention worker on the same cores - 1 CPUs;
+    # each FFN rank one thread, floating over every CPU
+    bound = max(1, cores - 1)
+    a = bound / workers if workers > 1 else float(bound)
+    f = min(1.0, cores / nf)
+    text = f"attn workers on CPU 0-{bound - 1} (vLLM auto), ffn ranks unbound"
+    if bound == 1:
+        text = "attn workers on CPU 0 (vLLM auto), ffn ranks unbound"
+    return CpuPlacement(a, f, True, cores, text)
+
+
+def _speed(cores: float, thread_eff: float) -> float:
+    """How much faster than on one core a block's variable part runs on ``cores``
+    (>= 1: OpenMP threads, each further one adding ``thread_eff`` of a core)."""
+    if cores >= 1:
+        return 1.0 + thread_eff * (cores - 1.0)
+    return cores
+
+
+def _on_cores(t0: float, variable: float, cores: float, thread_eff: float) -> float:
+    """A block of fixed time ``t0`` and one-core variable time ``variable`` on ``cores``:
+    more threads speed up the variable part; a time-sliced CPU (< 1) stretches both."""
+    if cores >= 1:
+        return t0 + variable / _speed(cores, thread_eff)
+    return (t0 + variable) / cores
 
 
 def _attention_s(
     shape: ModelShape, hw: Hardware, tokens: float, context: float, tp: int, cores: float
 ) -> float:
-    """One layer's attention block for ``tokens`` decode tokens on one TP worker."""
+    """One layer's attention block for ``tokens`` decode tokens on one TP worker
+    (``cores``: a CPU host's cores for it, see :class:`CpuPlacement`; else 1)."""
     if tokens <= 0:
         return 0.0
-    peak = hw.dense_flops(shape.weight_bytes) * hw.attention_flops_eff * cores
-    bw = hw.mem_bw * hw.bw_eff * cores
+    peak = hw.dense_flops(shape.weight_bytes) * hw.attention_flops_eff
+    bw = hw.mem_bw * hw.bw_eff
     kv_split = min(tp, shape.kv_heads) if not shape.kv_latent else 1
     flops = tokens * shape.attention_flops_per_token(context) / tp
     bytes_ = (
         shape.attention_params * shape.weight_bytes / tp
         + tokens * context * shape.kv_elems_per_token * 2.0 / kv_split
     )
-    t = hw.attention_layer_s + _roof(flops, bytes_, peak, bw)
+    t = _on_cores(
+        hw.attention_layer_s, _roof(flops, bytes_, peak, bw), cores, hw.attention_thread_eff
+    )
     if tp > 1:
         # the o_proj all-reduce, and TP worker 0's broadcast of the FFN's answer
         msg = tokens * shape.hidden * shape.act_bytes
@@ -141,19 +231,19 @@ def _ffn_s(
     holds ``experts_held`` of them (rank 0 runs the shared experts on every row)."""
     if rows <= 0:
         return 0.0
-    peak = hw.dense_flops(shape.weight_bytes) * hw.ffn_flops_eff * cores
-    bw = hw.mem_bw * hw.bw_eff * cores
+    peak = hw.dense_flops(shape.weight_bytes) * hw.ffn_flops_eff
+    bw = hw.mem_bw * hw.bw_eff
     if dense:
         flops = 2.0 * rows * shape.dense_mlp_params
         bytes_ = shape.dense_mlp_params * shape.weight_bytes
-        return hw.ffn_layer_s + _roof(flops, bytes_, peak, bw)
+        return _on_cores(hw.ffn_layer_s, _roof(flops, bytes_, peak, bw), cores, hw.ffn_thread_eff)
     share = experts_held / shape.experts
     pairs = routed_tokens * shape.top_k * share
     hit = experts_hit(routed_tokens, shape.experts, shape.top_k) * share
     shared = shape.shared_params if rank0 else 0
     flops = 2.0 * (pairs * shape.expert_params + rows * (shared + shape.router_params))
     bytes_ = (hit * shape.expert_params + shared + shape.router_params) * shape.weight_bytes
-    return hw.ffn_layer_s + _roof(flops, bytes_, peak, bw)
+    return _on_cores(hw.ffn_layer_s, _roof(flops, bytes_, peak, bw), cores, hw.ffn_thread_eff)
 
 
 def _rows(shape: ModelShape, layout: Layout, tokens: float) -> tuple[float, float, float]:
@@ -199,13 +289,14 @@ def predict(shape: ModelShape, hw: Hardware, layout: Layout, workload: Workload)
     m = lay.micro_batches
     batch = workload.batch
     tokens = batch / m
-    ca, cf = _threads(hw, lay)
+    place = cpu_placement(hw.cores, lay) if hw.cores > 0 else None
+    ca, cf = (place.attention_cores, place.ffn_cores) if place else (1.0, 1.0)
     ta = _attention_s(shape, hw, tokens, workload.context, lay.attention_tp, ca)
     held = shape.experts // lay.num_ffn if lay.ffn_ep else shape.experts
     _, rows, routed = _rows(shape, lay, tokens)
     tf = _ffn_s(shape, hw, rows, routed, held, True, cf)
     tc = _transfer_s(shape, hw, lay, tokens)
-    x = hw.exchange_s
+    x = hw.exchange_fixed_s(place.shared) if place else hw.exchange_s
     layer, bound = _overlap(ta, tf, tc, x, m)
     # dense layers: their MLP runs on FFN rank 0 for every token (exchange as well)
     dense_rows = tokens * lay.num_attention / (1 if lay.ffn_ep else lay.num_ffn)
@@ -213,7 +304,7 @@ def predict(shape: ModelShape, hw: Hardware, layout: Layout, workload: Workload)
     dense, _ = _overlap(ta, tfd, tc, x, m)
     if hw.cores > 0:
         # The role processes share the host's cores: the layer also takes at least the
-        # cores' whole work (each process's busy time x its cores) over the cores.
+        # cores' whole work (each process's busy time x the cores it holds) over the cores.
         procs_a = lay.num_attention * lay.attention_tp
         work = m * (procs_a * ta * ca + lay.num_ffn * tf * cf)
         pool = work / hw.cores
@@ -222,19 +313,20 @@ def predict(shape: ModelShape, hw: Hardware, layout: Layout, workload: Workload)
         work_d = m * (procs_a * ta * ca + tfd * cf)
         dense = max(dense, work_d / hw.cores)
     # LM head on each attention TP worker's vocabulary shard
-    peak = hw.dense_flops(shape.weight_bytes) * hw.attention_flops_eff * ca
-    head = _roof(
-        2.0 * batch * shape.vocab * shape.hidden / lay.attention_tp,
-        shape.vocab * shape.hidden * shape.weight_bytes / lay.attention_tp,
-        peak,
-        hw.mem_bw * hw.bw_eff * ca,
+    head = _on_cores(
+        0.0,
+        _roof(
+            2.0 * batch * shape.vocab * shape.hidden / lay.attention_tp,
+            shape.vocab * shape.hidden * shape.weight_bytes / lay.attention_tp,
+            hw.dense_flops(shape.weight_bytes) * hw.attention_flops_eff,
+            hw.mem_bw * hw.bw_eff,
+        ),
+        ca,
+        hw.attention_thread_eff,
     )
+    step_s, step_token_s = hw.step_figures(place.server_cores > 1 if place else False)
     tpot = (
-        shape.moe_layers * layer
-        + shape.dense_layers * dense
-        + head
-        + hw.step_s
-        + hw.step_token_s * batch
+        shape.moe_layers * layer + shape.dense_layers * dense + head + step_s + step_token_s * batch
     )
     total_tokens_s = lay.num_attention * batch / tpot
     devices = hw.cores if hw.cores > 0 else lay.devices
@@ -277,6 +369,7 @@ def predict(shape: ModelShape, hw: Hardware, layout: Layout, workload: Workload)
         fits=not why,
         why_not=why,
         bound=bound,
+        placement=place,
     )
 
 
