@@ -272,10 +272,12 @@ def _fake_calibration(
     run: str = "bench",
     layout: Layout | None = None,
     levels: tuple[int, ...] = (1, 4, 16),
+    exchange_s: float | None = None,
 ) -> Path:
     """The files afd plan --calibrate's measurements write, from the model itself: the
     profile of a 1A1F ``layout`` (``run``: ``bench``, the turn-taking one, or
-    ``bench-pinned``, one core per role) and the copy bandwidth."""
+    ``bench-pinned``, one core per role; ``exchange_s``: the exchange's fixed cost instead
+    of the placement's, for ``bench-crowded``) and the copy bandwidth."""
     profile = {}
     for b in levels:
         p = predict(shape, hw, layout or Layout(), Workload(batch=b, context=context))
@@ -288,7 +290,8 @@ def _fake_calibration(
             shape.vocab * shape.hidden * shape.weight_bytes / (hw.mem_bw * hw.bw_eff),
         )
         step_s, step_token_s = hw.step_figures(place.server_cores > 1)
-        wait = p.ffn_s + 2 * p.transfer_s + hw.exchange_fixed_s(place.shared)
+        fixed = hw.exchange_fixed_s(place.shared) if exchange_s is None else exchange_s
+        wait = p.ffn_s + 2 * p.transfer_s + fixed
         profile[str(b)] = {
             "processes": [
                 {
@@ -346,7 +349,8 @@ def test_calibration_fit_recovers_known_figures(tmp_path):
 def test_calibration_on_both_placements_recovers_the_cpu_terms(tmp_path):
     """A pinned run (one core per role) gives the per-core figures, the turn-taking run
     what the second core adds, the exchange on shared CPUs and the step with the
-    attention server on both cores; the five validation layouts' TPOT follow."""
+    attention server on both cores, the crowded run (both roles on one CPU) the exchange
+    where processes outnumber CPUs; the five validation layouts' TPOT follow."""
     shape = shape_from_config(BENCH)
     truth = dataclasses.replace(
         PRESETS["cpu"],
@@ -370,12 +374,15 @@ def test_calibration_on_both_placements_recovers_the_cpu_terms(tmp_path):
     _fake_calibration(tmp_path, shape, truth, 48.0, "bench", Layout(), levels)
     pinned = Layout(own_cpus=True)
     _fake_calibration(tmp_path, shape, truth, 48.0, "bench-pinned", pinned, levels)
+    _fake_calibration(tmp_path, shape, truth, 48.0, "bench-crowded", pinned, levels, 1.5e-3)
+    truth = dataclasses.replace(truth, crowded_exchange_s=1.5e-3)
     hw, points = fit(shape, tmp_path, context=48.0)
     assert points["per_core_run"] == "bench-pinned"
     assert hw.attention_thread_eff == pytest.approx(0.4, abs=0.02)
     assert hw.ffn_thread_eff == pytest.approx(0.6, abs=0.02)
     assert hw.exchange_s == pytest.approx(0.1e-3, rel=0.05)
     assert hw.shared_exchange_s == pytest.approx(0.3e-3, rel=0.05)
+    assert hw.crowded_exchange_s == pytest.approx(1.5e-3, rel=0.05)
     assert hw.step_s == pytest.approx(5e-3, rel=0.02)
     assert hw.spread_step_s == pytest.approx(4e-3, rel=0.02)
     assert hw.spread_step_token_s == pytest.approx(0.05e-3, rel=0.05)
@@ -411,6 +418,8 @@ def test_cpu_placement_is_the_launchers():
     for layout, want in cases.items():
         p = cpu_placement(2, layout)
         assert (p.attention_cores, p.ffn_cores, p.shared, p.server_cores) == want, layout
+        # three role processes on two CPUs: crowded; two (taking turns or split): not
+        assert p.crowded == (layout.processes > 2), layout
     for layout, kw in (
         (Layout(micro_batches=2), {}),
         (Layout(1, 2, 1), {"attention_tensor_parallel_size": 2}),
@@ -454,11 +463,13 @@ def test_hand_computed_cpu_threads_and_shared_exchange():
     assert turns.layer_s == pytest.approx(
         turns.attention_s + turns.ffn_s + 2 * turns.transfer_s + 5e-4
     )
-    # 2A1F on 2 CPUs: both attention workers on CPU 0 take twice as long, the CPUs are
-    # shared
+    # 2A1F on 2 CPUs: both attention workers on CPU 0 take twice as long; three
+    # processes on two CPUs pay the crowded exchange cost where the figures have one
     two = predict(s, cpu, Layout(2, 1, 1), w)
     assert two.attention_s == pytest.approx(2 * (1e-3 + 8.388608e-3))
     assert two.layer_s == pytest.approx(two.attention_s + two.ffn_s + 2 * two.transfer_s + 5e-4)
+    crowded = predict(s, dataclasses.replace(cpu, crowded_exchange_s=2e-3), Layout(2, 1, 1), w)
+    assert crowded.layer_s - two.layer_s == pytest.approx(2e-3 - 5e-4)
 
 
 def test_step_outside_the_layers_depends_on_the_servers_cores():

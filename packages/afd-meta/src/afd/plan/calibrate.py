@@ -83,7 +83,8 @@ def _bench(model: str, out: Path, levels: Sequence[int], extra: Sequence[str]) -
 def measure(model: str, out: Path, levels: Sequence[int] = LEVELS, say: Any = print) -> None:
     """Run the measurements into ``out``: memory.json, bench/bench.json (1A1F as the
     launcher places it: the roles take turns on every CPU), bench-pinned/bench.json (1A1F
-    with each role on one CPU of its own), connector.json."""
+    with each role on one CPU of its own), bench-crowded/bench.json (both roles on one
+    CPU), connector.json."""
     out.mkdir(parents=True, exist_ok=True)
     bw = measure_memory_bw()
     say(f"calibrate: one core copies {bw / 1e9:.1f} GB/s")
@@ -95,6 +96,9 @@ def measure(model: str, out: Path, levels: Sequence[int] = LEVELS, say: Any = pr
     if len(cpus) >= 2:
         pinned = ["--attention-cpus", str(cpus[0]), "--ffn-cpus", str(cpus[-1])]
         runs.append((out / "bench-pinned", pinned))
+        # both roles on one CPU: more role processes than CPUs (as 3 on 2 CPUs)
+        crowded = ["--attention-cpus", str(cpus[0]), "--ffn-cpus", str(cpus[0])]
+        runs.append((out / "bench-crowded", crowded))
     for where, extra in runs:
         cmd = _bench(model, where, levels, extra)
         say("calibrate: " + " ".join(cmd[2:]))
@@ -317,6 +321,19 @@ def fit(
             "attention": {"eff": a_eff, "shared_fixed_s": a_delta, "rms_s": a_terr},
             "ffn": {"eff": f_eff, "shared_fixed_s": f_delta, "rms_s": f_terr},
         }
+        crowded_path = directory / "bench-crowded" / "bench.json"
+        if crowded_path.is_file():
+            # one thread per role on one CPU: what the blocks take beyond their pinned
+            # times, and the exchange, is what crowding costs a layer
+            crowd = _levels(crowded_path)
+            ca = statistics.median(lv.attention - a0 - variable_a(lv.batch) for lv in crowd)
+            cf = statistics.median(lv.ffn - f0 - variable_f(lv.batch) for lv in crowd)
+            figures["crowded_exchange_s"] = exchange(crowd) + max(0.0, ca) + max(0.0, cf)
+            thread_points["crowded"] = {
+                "levels": [dataclasses.asdict(lv) for lv in crowd],
+                "attention_fixed_s": ca,
+                "ffn_fixed_s": cf,
+            }
     hw = dataclasses.replace(
         base,
         name="cpu-calibrated",

@@ -75,6 +75,10 @@ class Hardware:
     #: just used), instead of ``exchange_s`` (each process on CPUs of its own, which are
     #: idle when it is woken). Negative: ``exchange_s``.
     shared_exchange_s: float = -1.0
+    #: CPU hosts: the exchange's fixed cost per layer where the role processes outnumber
+    #: the CPUs they run on (a woken role also waits for a CPU another process holds),
+    #: instead of ``shared_exchange_s``. Negative: ``shared_exchange_s``.
+    crowded_exchange_s: float = -1.0
     #: CPU hosts: the step outside the layers (``step_s`` + ``step_token_s`` x batch) when
     #: the attention server's scheduler and API processes may use several cores; the
     #: ``step_*`` figures are those of an attention server confined to one core.
@@ -84,8 +88,11 @@ class Hardware:
     #: Where the figures come from (printed with the plans).
     source: str = ""
 
-    def exchange_fixed_s(self, shared: bool) -> float:
-        """The exchange's fixed cost: on CPUs shared between role processes or not."""
+    def exchange_fixed_s(self, shared: bool, crowded: bool = False) -> float:
+        """The exchange's fixed cost: on CPUs shared between role processes or not, and
+        where the processes outnumber the CPUs (``crowded``)."""
+        if crowded and self.crowded_exchange_s >= 0:
+            return self.crowded_exchange_s
         return self.shared_exchange_s if shared and self.shared_exchange_s >= 0 else self.exchange_s
 
     def step_figures(self, spread: bool) -> tuple[float, float]:

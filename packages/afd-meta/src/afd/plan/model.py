@@ -121,6 +121,9 @@ class CpuPlacement:
     server_cores: int
     #: What the launcher does, for the printout: "attn=0, ffn0=1".
     text: str = ""
+    #: The role processes outnumber the CPUs they run on: a woken role also waits for a
+    #: CPU another process holds (the exchange costs ``crowded_exchange_s``).
+    crowded: bool = False
 
 
 def cpu_placement(cores: int, layout: Layout) -> CpuPlacement:
@@ -163,7 +166,7 @@ def cpu_placement(cores: int, layout: Layout) -> CpuPlacement:
         a = 1.0 / max(attn_ids.count(c) for c in attn_ids)
         f = 1.0 / max(ffn_ids.count(c) for c in ffn_ids)
         text = ", ".join(f"{k}={v}" for k, v in shared.items())
-        return CpuPlacement(a, f, True, len(set(attn_ids)), text)
+        return CpuPlacement(a, f, True, len(set(attn_ids)), text, crowded=True)
     # vLLM's automatic binding: every attention worker on the same cores - 1 CPUs;
     # each FFN rank one thread, floating over every CPU
     bound = max(1, cores - 1)
@@ -172,7 +175,7 @@ def cpu_placement(cores: int, layout: Layout) -> CpuPlacement:
     text = f"attn workers on CPU 0-{bound - 1} (vLLM auto), ffn ranks unbound"
     if bound == 1:
         text = "attn workers on CPU 0 (vLLM auto), ffn ranks unbound"
-    return CpuPlacement(a, f, True, cores, text)
+    return CpuPlacement(a, f, True, cores, text, crowded=True)
 
 
 def _speed(cores: float, thread_eff: float) -> float:
@@ -296,7 +299,7 @@ def predict(shape: ModelShape, hw: Hardware, layout: Layout, workload: Workload)
     _, rows, routed = _rows(shape, lay, tokens)
     tf = _ffn_s(shape, hw, rows, routed, held, True, cf)
     tc = _transfer_s(shape, hw, lay, tokens)
-    x = hw.exchange_fixed_s(place.shared) if place else hw.exchange_s
+    x = hw.exchange_fixed_s(place.shared, place.crowded) if place else hw.exchange_s
     layer, bound = _overlap(ta, tf, tc, x, m)
     # dense layers: their MLP runs on FFN rank 0 for every token (exchange as well)
     dense_rows = tokens * lay.num_attention / (1 if lay.ffn_ep else lay.num_ffn)
