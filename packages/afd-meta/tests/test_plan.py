@@ -317,9 +317,10 @@ def _fake_calibration(
     return tmp_path
 
 
-def test_calibration_fit_recovers_known_figures(tmp_path):
-    shape = shape_from_config(BENCH)
-    truth = dataclasses.replace(
+def _known_cpu(**figures: float) -> Hardware:
+    """The CPU preset with the known figures the calibration tests fit back, plus
+    ``figures``."""
+    return dataclasses.replace(
         PRESETS["cpu"],
         flops=40e9,
         mem_bw=12e9,
@@ -328,10 +329,15 @@ def test_calibration_fit_recovers_known_figures(tmp_path):
         ffn_flops_eff=1.0,
         attention_layer_s=0.4e-3,
         ffn_layer_s=0.6e-3,
-        exchange_s=0.3e-3,
         step_s=5e-3,
         step_token_s=0.1e-3,
+        **figures,
     )
+
+
+def test_calibration_fit_recovers_known_figures(tmp_path):
+    shape = shape_from_config(BENCH)
+    truth = _known_cpu(exchange_s=0.3e-3)
     hw, _points = fit(shape, _fake_calibration(tmp_path, shape, truth, 48.0), context=48.0)
     assert hw.cores == 2
     assert hw.bw_eff == pytest.approx(0.5)
@@ -352,19 +358,9 @@ def test_calibration_on_both_placements_recovers_the_cpu_terms(tmp_path):
     attention server on both cores, the crowded run (both roles on one CPU) the exchange
     where processes outnumber CPUs; the five validation layouts' TPOT follow."""
     shape = shape_from_config(BENCH)
-    truth = dataclasses.replace(
-        PRESETS["cpu"],
-        flops=40e9,
-        mem_bw=12e9,
-        bw_eff=0.5,
-        attention_flops_eff=1.0,
-        ffn_flops_eff=1.0,
-        attention_layer_s=0.4e-3,
-        ffn_layer_s=0.6e-3,
+    truth = _known_cpu(
         exchange_s=0.1e-3,
         shared_exchange_s=0.3e-3,
-        step_s=5e-3,
-        step_token_s=0.1e-3,
         spread_step_s=4e-3,
         spread_step_token_s=0.05e-3,
         attention_thread_eff=0.4,
