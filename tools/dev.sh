@@ -53,10 +53,34 @@ sessions() {
     return "$failed"
 }
 
+# install-each and install-smoke each keep about one core busy (venvs, installs, one import
+# or one deployment start at a time), so on a 2-core machine they run side by side, when
+# this run's wheels are already built (AFD_DIST_DIR/.complete: .ci/run's default run
+# builds them; otherwise both would build into the same folder): install-each's output
+# goes to a log, printed whole when it ends. Else one after the other.
+install_checks() {
+    if [ -n "${AFD_DIST_DIR:-}" ] && [ -f "$AFD_DIST_DIR/.complete" ]; then
+        local log rc=0 pid
+        log="$(mktemp "${TMPDIR:-/tmp}/afd-install-each.XXXXXX.log")"
+        echo "[dev] install-each runs beside install-smoke; its output follows when it ends" >&2
+        sessions install-each -- "$@" >"$log" 2>&1 &
+        pid=$!
+        sessions install-smoke -- "$@" || rc=1
+        wait "$pid" || rc=1
+        echo "[dev] ---- install-each (ran beside install-smoke) ----" >&2
+        cat "$log"
+        rm -f "$log"
+        return "$rc"
+    fi
+    sessions install-each install-smoke -- "$@"
+}
+
 case "${1:-test}" in
     test) shift || true; uv lock --check; sessions lint typecheck core-no-torch tests build -- "$@" ;;
     # the matrix last: CI keeps the end of the output (its failure digest)
-    ci) shift || true; sessions install-each install-smoke tests-matrix -- "$@" ;;
+    ci) shift || true; install_checks "$@" && rc=0 || rc=$?
+        sessions tests-matrix -- "$@" || rc=1
+        exit "$rc" ;;
     demo) shift; exec nox -s demo -- "$@" ;;
     *) exec nox "$@" ;;
 esac

@@ -9,6 +9,9 @@ carries up to 1 + k tokens per request through every layer's exchange, as a pref
 does, which the FFN role's own counter shows: the tokens it served during the requests are
 exactly every layer's share of the tokens the Attention role forwarded (prompt tokens, one
 per decode step, and every proposed draft token).
+
+CI runs the Qwen3-MoE 2A1F n-gram case and the MTP case (``matrix``); the DeepSeek-V3
+n-gram case is ``extended`` (CI's time budget).
 """
 
 from __future__ import annotations
@@ -97,12 +100,19 @@ def _assert_ffn_served_every_forwarded_token(
     assert served == forwarded * layers, (served, forwarded, layers)
 
 
-@pytest.mark.extended  # out of CI for its budget (2 deployments a case; `nox -s tests-extended`)
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize(
     ("family", "num_attention", "gate_on_attention"),
-    [("deepseek_v3", 1, False), ("qwen3_moe", 2, True)],
-    ids=["deepseek_v3-1A1F-gate_ffn", "qwen3_moe-2A1F-gate_attention"],
+    [
+        # Out of CI for its budget (`nox -s tests-extended`): speculative decoding on
+        # DeepSeek-V3 runs in CI with MTP (below), the n-gram proposer with Qwen3-MoE 2A1F.
+        pytest.param(
+            "deepseek_v3", 1, False, id="deepseek_v3-1A1F-gate_ffn", marks=pytest.mark.extended
+        ),
+        pytest.param(
+            "qwen3_moe", 2, True, id="qwen3_moe-2A1F-gate_attention", marks=pytest.mark.matrix
+        ),
+    ],
 )
 def test_ngram_speculative_decoding_equals_native(
     family: str,
@@ -151,7 +161,7 @@ def tiny_mtp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate_tiny_checkpoint("deepseek_v3", root / name, variant="mtp")
 
 
-@pytest.mark.extended  # out of CI for its budget (2 deployments; `nox -s tests-extended`)
+@pytest.mark.matrix  # `nox -s tests-matrix` (CI): 2 deployments, ~2 min
 @pytest.mark.timeout(1200)
 def test_mtp_speculative_decoding_equals_native(tiny_mtp_model: Path, tmp_path: Path) -> None:
     """DeepSeek MTP through AFD 1A1F: vLLM builds the MTP layer (MLA attention + MoE) as

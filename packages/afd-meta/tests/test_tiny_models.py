@@ -492,11 +492,16 @@ def test_native_greedy_deepseek_v2_deterministic(
 NATIVE_IN_E2E = frozenset({"mixtral", "glm4_moe", "ernie4_5_moe", "qwen3_next", "gpt_oss"})
 NATIVE_FAMILIES = [
     *(a for a in sorted(FAMILIES) if a != "minimax_m2" and a not in NATIVE_IN_E2E),
+    # A record of vLLM 0.32 CPU's refusal, not of afd: out of CI for its budget
+    # (`nox -s tests-extended`; a strict xfail, so it fails once vLLM runs it).
     pytest.param(
         "minimax_m2",
-        marks=pytest.mark.xfail(
-            strict=True, reason="vLLM 0.32 CPU router: sigmoid scoring needs grouped top-k"
-        ),
+        marks=[
+            pytest.mark.xfail(
+                strict=True, reason="vLLM 0.32 CPU router: sigmoid scoring needs grouped top-k"
+            ),
+            pytest.mark.extended,
+        ],
     ),
 ]
 
