@@ -11,7 +11,7 @@ import pytest
 
 from afd.cli import main
 from afd.launch.errors import SpecError
-from afd.plan.calibrate import fit
+from afd.plan.calibrate import fit, repeat_dirs
 from afd.plan.hardware import PRESETS, Hardware, hardware_toml, load_hardware
 from afd.plan.model import Layout, Workload, cpu_placement, experts_hit, predict
 from afd.plan.search import Constraints, search
@@ -350,6 +350,57 @@ def test_calibration_fit_recovers_known_figures(tmp_path):
         assert predict(shape, hw, Layout(), Workload(b, 48.0)).tpot_s == pytest.approx(
             want, rel=0.05
         )
+
+
+def test_a_repeated_calibration_fits_the_median_of_its_repeats(tmp_path):
+    """Three repeats, the first one disturbed (half the FLOP rate, three times the
+    exchange): the fit of the three is the undisturbed figures (the median per level; a
+    mean, or the first repeat alone, would not be), the fit of the disturbed repeat alone
+    is not."""
+    shape = shape_from_config(BENCH)
+    truth = _known_cpu(exchange_s=0.3e-3)
+    slow = dataclasses.replace(truth, flops=20e9, exchange_s=0.9e-3)
+    for k, hw in ((1, slow), (2, truth), (3, truth)):
+        (tmp_path / f"rep-{k}").mkdir()
+        _fake_calibration(tmp_path / f"rep-{k}", shape, hw, 48.0)
+    assert [p.name for p in repeat_dirs(tmp_path)] == ["rep-1", "rep-2", "rep-3"]
+    hw, points = fit(shape, tmp_path, context=48.0)
+    assert points["repeats"] == ["rep-1", "rep-2", "rep-3"]
+    assert "median of 3 repeats" in hw.source
+    assert hw.exchange_s == pytest.approx(0.3e-3, rel=0.05)
+    alone, _ = fit(shape, tmp_path / "rep-1", context=48.0)
+    assert alone.exchange_s == pytest.approx(0.9e-3, rel=0.05)
+    for b in (2, 8, 32):
+        want = predict(shape, truth, Layout(), Workload(b, 48.0)).tpot_s
+        got = predict(shape, hw, Layout(), Workload(b, 48.0)).tpot_s
+        assert got == pytest.approx(want, rel=0.05)
+        assert predict(shape, alone, Layout(), Workload(b, 48.0)).tpot_s > want * 1.2
+
+
+def test_repeat_dirs_order_and_a_single_run(tmp_path):
+    assert repeat_dirs(tmp_path) == [tmp_path]
+    for name in ("rep-10", "rep-2", "rep-1", "rep-x", "bench"):
+        (tmp_path / name).mkdir()
+    assert [p.name for p in repeat_dirs(tmp_path)] == ["rep-1", "rep-2", "rep-10"]
+
+
+def test_cli_refuses_a_calibration_repeat_below_one(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(BENCH))
+    code = main(
+        [
+            "plan",
+            "--model",
+            str(tmp_path),
+            "--calibrate",
+            "--calibration-repeat",
+            "0",
+            "--calibration-dir",
+            str(tmp_path / "cal"),
+        ]
+    )
+    assert code == 2
+    assert "--calibration-repeat must be at least 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "cal").exists()
 
 
 def test_calibration_on_both_placements_recovers_the_cpu_terms(tmp_path):

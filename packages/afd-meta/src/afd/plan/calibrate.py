@@ -17,6 +17,13 @@ compute, plus its send) and the step's fixed and per-token time outside the laye
 from the turn-taking run, what each further core adds to a role's block, the exchange's
 cost on shared CPUs and the step with the server on every CPU (docs/plan.md, "CPU
 hosts"); from the connector, the link's latency and bandwidth.
+
+With ``repeat`` > 1 the whole set of measurements runs that many times, one after the
+other, into ``rep-1``, ``rep-2``... of the calibration folder, and :func:`fit` fits the
+median of the repeats: per run and concurrency level the median of each span, the median
+copy bandwidth and per size the median connector round trip (on a shared VM one
+calibration's figures moved up to 2.5x within an hour; a median of repeats is what one
+disturbed run cannot move).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from typing import Any
 from afd.plan.hardware import PRESETS, Hardware
 from afd.plan.shapes import ModelShape
 
-__all__ = ["fit", "measure"]
+__all__ = ["fit", "measure", "repeat_dirs"]
 
 #: Concurrency levels of the calibration runs (one attention rank: the batch per step),
 #: spanning the batches a small CPU host serves.
@@ -80,11 +87,25 @@ def _bench(model: str, out: Path, levels: Sequence[int], extra: Sequence[str]) -
     ]
 
 
-def measure(model: str, out: Path, levels: Sequence[int] = LEVELS, say: Any = print) -> None:
+#: The folders of a repeated calibration: ``rep-1``, ``rep-2``...
+REPEAT_PREFIX = "rep-"
+
+
+def measure(
+    model: str, out: Path, levels: Sequence[int] = LEVELS, say: Any = print, repeat: int = 1
+) -> None:
     """Run the measurements into ``out``: memory.json, bench/bench.json (1A1F as the
     launcher places it: the roles take turns on every CPU), bench-pinned/bench.json (1A1F
     with each role on one CPU of its own), bench-crowded/bench.json (both roles on one
-    CPU), connector.json."""
+    CPU), connector.json. With ``repeat`` > 1 the whole set ``repeat`` times, into
+    ``out/rep-1``... (:func:`fit` takes their medians)."""
+    if repeat < 1:
+        raise ValueError(f"--calibration-repeat must be at least 1, got {repeat}")
+    if repeat > 1:
+        for k in range(1, repeat + 1):
+            say(f"calibrate: repeat {k} of {repeat}")
+            measure(model, out / f"{REPEAT_PREFIX}{k}", levels, say)
+        return
     out.mkdir(parents=True, exist_ok=True)
     bw = measure_memory_bw()
     say(f"calibrate: one core copies {bw / 1e9:.1f} GB/s")
@@ -177,6 +198,53 @@ def _levels(path: Path) -> list[_Level]:
     return out
 
 
+def repeat_dirs(directory: Path) -> list[Path]:
+    """The measurement folders of a calibration: its ``rep-N`` folders in order, else the
+    folder itself (one run)."""
+    reps = [
+        p
+        for p in directory.glob(f"{REPEAT_PREFIX}*")
+        if p.is_dir() and p.name[len(REPEAT_PREFIX) :].isdigit()
+    ]
+    return sorted(reps, key=lambda p: int(p.name[len(REPEAT_PREFIX) :])) or [directory]
+
+
+def _median_levels(paths: Sequence[Path]) -> list[_Level]:
+    """Per concurrency level (in each report's order), the median of every field over the
+    reports ``paths`` (the repeats of one run)."""
+    runs = [_levels(p) for p in paths]
+    count = min(len(r) for r in runs)
+    names = [f.name for f in dataclasses.fields(_Level)]
+    return [
+        _Level(**{n: statistics.median(getattr(r[i], n) for r in runs) for n in names})
+        for i in range(count)
+    ]
+
+
+def _run_levels(reps: Sequence[Path], run: str) -> list[_Level]:
+    """The median levels of ``run`` (``bench``, ``bench-pinned``, ``bench-crowded``) over
+    the repeats that have it (none: no levels)."""
+    paths = [p for p in (d / run / "bench.json" for d in reps) if p.is_file()]
+    return _median_levels(paths) if paths else []
+
+
+def _median_connector(reps: Sequence[Path]) -> list[dict[str, Any]]:
+    """connector.json's rows with each size's median round trip over the repeats."""
+    times: dict[tuple[int, int], list[float]] = {}
+    for d in reps:
+        path = d / "connector.json"
+        if not path.is_file():
+            continue
+        for r in json.loads(path.read_text(encoding="utf-8"))["rows"]:
+            ms = r.get("P2pShmAFDConnector", {}).get("median_ms")
+            if ms is not None:
+                times.setdefault((int(r["tokens"]), int(r["hidden"])), []).append(float(ms))
+    return [
+        {"tokens": t, "hidden": h, "P2pShmAFDConnector": {"median_ms": statistics.median(v)}}
+        for (t, h), v in sorted(times.items())
+    ]
+
+
 def _attention_work(shape: ModelShape, b: float, context: float) -> tuple[float, float]:
     """(FLOPs, bytes) of one layer's attention block for ``b`` tokens."""
     return (
@@ -227,17 +295,18 @@ def fit(
     threads add (``*_thread_eff``), the exchange's cost on shared CPUs and the step with
     the attention server on every core. Without it (one core: no pinned run; or an old
     calibration) everything comes from the turn-taking run, whose rates are taken as
-    per core x the cores (linear in the threads)."""
-    report = json.loads((directory / "bench" / "bench.json").read_text(encoding="utf-8"))
+    per core x the cores (linear in the threads). A repeated calibration (``rep-N``
+    folders) is fitted on the median of its repeats."""
+    reps = repeat_dirs(directory)
+    report = json.loads((reps[0] / "bench" / "bench.json").read_text(encoding="utf-8"))
     base = PRESETS["cpu"]
     usable = str(report["settings"].get("usable_cpus") or "")
     if cores is None:
         from afd.launch.cpus import parse_cpu_list
 
         cores = len(parse_cpu_list(usable)) if usable else base.cores
-    turns = _levels(directory / "bench" / "bench.json")
-    pinned_path = directory / "bench-pinned" / "bench.json"
-    pinned = _levels(pinned_path) if pinned_path.is_file() else []
+    turns = _run_levels(reps, "bench")
+    pinned = _run_levels(reps, "bench-pinned")
     # the per-core run: pinned, else the turn-taking one with its work spread over the cores
     own, per = (pinned, 1) if pinned else (turns, cores)
     wb, h = shape.weight_bytes, shape.hidden
@@ -247,19 +316,20 @@ def fit(
         for f, by in [_attention_work(shape, lv.batch, context)]
     ]
     ffn = [(f / per, by / per, lv.ffn) for lv in own for f, by in [_ffn_work(shape, lv.batch)]]
-    mem_path = directory / "memory.json"
-    bw = base.mem_bw
-    if mem_path.is_file():
-        bw = float(json.loads(mem_path.read_text(encoding="utf-8"))["copy_bw_per_core"])
+    bws = [
+        float(json.loads(m.read_text(encoding="utf-8"))["copy_bw_per_core"])
+        for m in (d / "memory.json" for d in reps)
+        if m.is_file()
+    ]
+    bw = statistics.median(bws) if bws else base.mem_bw
     # the FFN reads the experts its tokens chose (more than a cache holds): fit the
     # achieved share of the copy bandwidth there, then the attention with that share
     f0, f_rate, bw_eff, f_err = _grid_fit(ffn, bw, [i / 40 for i in range(1, 41)])
     a0, a_rate, _, a_err = _grid_fit(att, bw, [bw_eff])
     link_bw, link_lat = base.link_bw, base.link_latency_s
-    conn_path = directory / "connector.json"
     conn_points: list[tuple[float, float]] = []
-    if conn_path.is_file():
-        rows = json.loads(conn_path.read_text(encoding="utf-8"))["rows"]
+    rows = _median_connector(reps)
+    if rows:
         for r in rows:
             ms = r.get("P2pShmAFDConnector", {}).get("median_ms")
             if ms is not None:
@@ -321,11 +391,10 @@ def fit(
             "attention": {"eff": a_eff, "shared_fixed_s": a_delta, "rms_s": a_terr},
             "ffn": {"eff": f_eff, "shared_fixed_s": f_delta, "rms_s": f_terr},
         }
-        crowded_path = directory / "bench-crowded" / "bench.json"
-        if crowded_path.is_file():
+        crowd = _run_levels(reps, "bench-crowded")
+        if crowd:
             # one thread per role on one CPU: what the blocks take beyond their pinned
             # times, and the exchange, is what crowding costs a layer
-            crowd = _levels(crowded_path)
             ca = statistics.median(lv.attention - a0 - variable_a(lv.batch) for lv in crowd)
             cf = statistics.median(lv.ffn - f0 - variable_f(lv.batch) for lv in crowd)
             figures["crowded_exchange_s"] = exchange(crowd) + max(0.0, ca) + max(0.0, cf)
@@ -353,6 +422,7 @@ def fit(
         devices_per_node=cores,
         source=f"afd plan --calibrate on this host ({cores} cores"
         + (", pinned and turn-taking 1A1F" if pinned else ", turn-taking 1A1F")
+        + (f", median of {len(reps)} repeats" if len(reps) > 1 else "")
         + f"), model {shape.name}",
         **figures,
     )
@@ -374,6 +444,7 @@ def fit(
         },
         "connector": {"points": conn_points, "latency_s": link_lat, "bw": link_bw},
         "context": context,
+        "repeats": [d.name for d in reps] if len(reps) > 1 else [],
         "loadavg": report.get("machine", {}),
     }
     if pinned:

@@ -86,6 +86,13 @@ def add_plan_arguments(ap: argparse.ArgumentParser) -> None:
     )
     cal.add_argument("--reuse", action="store_true", help="fit existing measurements only")
     cal.add_argument(
+        "--calibration-repeat",
+        type=int,
+        default=1,
+        help="run the measurements this many times (into rep-1, rep-2... of the calibration "
+        "dir) and fit their medians: on a shared host one run can be disturbed (default 1)",
+    )
+    cal.add_argument(
         "--calibration-context",
         type=float,
         default=48.0,
@@ -152,8 +159,12 @@ def _run(args: argparse.Namespace) -> int:
         from afd.plan.calibrate import fit, measure
 
         where = Path(args.calibration_dir)
+        if args.calibration_repeat < 1:
+            raise ValueError(
+                f"--calibration-repeat must be at least 1, got {args.calibration_repeat}"
+            )
         if not args.reuse:
-            measure(args.model, where)
+            measure(args.model, where, repeat=args.calibration_repeat)
         hw, points = fit(shape, where, context=args.calibration_context)
         out = Path(args.hardware or "afd-plan/cpu-calibrated.toml")
         out.parent.mkdir(parents=True, exist_ok=True)
