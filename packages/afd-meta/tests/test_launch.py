@@ -387,6 +387,24 @@ def test_free_ports_are_distinct() -> None:
         assert all(1024 <= p <= 65535 for p in [*http, conn])
 
 
+def test_picked_ports_are_reserved_host_wide_for_another_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every port a launcher picks, the expert planes' rendezvous ports included, is
+    reserved (afd_core.ports) until its role can bind it: a second launcher started beside
+    the first cannot pick it (CI, 2026-12-06: two deployments got one connector port)."""
+    from afd_core.ports import reservation_dir
+
+    monkeypatch.setenv("AFD_PORT_DIR", str(tmp_path / "ports"))
+    spec = DeploymentSpec(model="/m", num_ffn=3, ffn_expert_parallel=True)
+    http, conn = allocate_ports(spec)
+    reserved = {int(p.name) for p in reservation_dir().iterdir()}
+    assert {*http, conn, conn + 1, conn + 2} <= reserved
+    for _ in range(20):
+        http2, conn2 = allocate_ports(spec)
+        assert not {*http2, *range(conn2, conn2 + 3)} & {*http, *range(conn, conn + 3)}
+
+
 def test_free_ports_avoid_given_ports() -> None:
     spec = DeploymentSpec(model="/m", num_attention=2)
     http, conn = allocate_ports(spec)

@@ -2,8 +2,9 @@
 rendezvous port and the FFN servers' ``/health`` + ``/metrics`` ports, all distinct.
 
 A fixed port from the spec is bind-tested (a :class:`DeploymentError` names the one in
-use); 0 picks free ports outside the host's ephemeral range
-(:func:`afd_core.ports.free_port`), no two roles the same one.
+use); 0 picks free ports outside the host's ephemeral range, each reserved host-wide
+until its role has had time to bind it (:func:`afd_core.ports.free_port`: two launchers
+started side by side do not pick the same one), no two roles the same one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 from afd.launch.errors import DeploymentError
 from afd.launch.spec import DeploymentSpec
-from afd_core.ports import free_port, port_bindable
+from afd_core.ports import free_port, port_bindable, reserve
 
 __all__ = ["allocate_health_ports", "allocate_ports", "reserve_ports"]
 
@@ -72,8 +73,8 @@ def allocate_ports(spec: DeploymentSpec, *, avoid: Iterable[int] = ()) -> tuple[
                 )
         ports.taken.update(range(conn, conn + planes))
     else:
-        conn = ports.pick()
-        while any(ports.in_use(p) for p in range(conn + 1, conn + planes)):
+        conn = ports.pick()  # reserved host-wide (afd_core.ports), and so are the planes'
+        while any(ports.in_use(p) or not reserve(p) for p in range(conn + 1, conn + planes)):
             conn = ports.pick()
         ports.taken.update(range(conn, conn + planes))
     return http, conn
