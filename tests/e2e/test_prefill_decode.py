@@ -21,7 +21,6 @@ CI runs the Qwen3-MoE case (``matrix``); the DeepSeek-V3-style (MLA) case is ``e
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -56,9 +55,15 @@ def _by_source(url: str) -> dict[str, float]:
     return out
 
 
-def _serve(spec: Path, tmp: Path, *args: str) -> tuple[list[list[int]], list[list[int]], str]:
-    """(generated token ids, prompt token ids, the launcher's output) of PROMPTS."""
-    launcher = Launcher(spec, tmp, *args)
+#: Served: (generated token ids, prompt token ids, launcher output, tokens by source).
+Served = tuple[list[list[int]], list[list[int]], str, dict[str, dict[str, float]]]
+
+
+def _serve_pd(spec: Path, tmp: Path) -> Served:
+    """(generated token ids, prompt token ids, the launcher's output, prompt tokens by
+    source of the prefill instance and of the attention server) of PROMPTS served by
+    the PD + AFD deployment of ``spec``."""
+    launcher = Launcher(spec, tmp)
     try:
         ready = launcher.wait_for(r"running; Ctrl-C or SIGTERM", STARTUP_S)
         assert ready, f"deployment did not come up:\n{launcher.output[-6000:]}"
@@ -69,11 +74,8 @@ def _serve(spec: Path, tmp: Path, *args: str) -> tuple[list[list[int]], list[lis
         role_urls = dict(
             re.findall(r"^\[afd\] (\w+): pid \d+, (http://[\d.:]+)$", launcher.output, re.M)
         )
-        if "prefill0" in role_urls:
-            tmp.joinpath("sources.json").write_text(json.dumps({
-                name: _by_source(role_urls[name]) for name in ("prefill0", "attn")
-            }))  # fmt: skip
-        return tokens, prompt_ids, launcher.output
+        sources = {name: _by_source(role_urls[name]) for name in ("prefill0", "attn")}
+        return tokens, prompt_ids, launcher.output, sources
     finally:
         launcher.kill_all()
 
@@ -112,13 +114,12 @@ def test_prefill_decode_with_afd_decode_equals_native_and_computes_one_token_per
     native = native_references.tokens(
         model, singles(PROMPTS), dtype="float32", max_tokens=MAX_TOKENS
     )
-    got, prompts, output = _serve(spec, tmp_path / "pd")
+    got, prompts, output, sources = _serve_pd(spec, tmp_path / "pd")
     assert "1A1F (decode) + prefill (WholePromptConnector)" in output
     # the proxy hands the prompt over unchanged: the ids vLLM's tokenizer gives it
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     assert prompts == [tokenizer(p)["input_ids"] for p in PROMPTS]
     assert_same_tokens(got, native, PROMPTS, "plain native vLLM", max_tokens=MAX_TOKENS)
-    sources = json.loads((tmp_path / "pd" / "sources.json").read_text())
     print(f"\n[{family}] prompt tokens by source: {sources}")
     prompt_tokens = sum(len(p) for p in prompts)
     assert sources["prefill0"].get("local_compute") == prompt_tokens
