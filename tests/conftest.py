@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,21 @@ def tiny_qwen_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str | Non
         "qwen3_5_moe_text", root / checkpoint_name("qwen3_5_moe_text")
     )
     return models
+
+
+@pytest.fixture(scope="session")
+def tiny_model_of(request: pytest.FixtureRequest) -> Callable[[str], Path]:
+    """The default tiny checkpoint of a family: ``qwen3_moe`` (its default variant),
+    ``deepseek_v2`` or ``deepseek_v3``; each set is generated on first use only."""
+
+    def of(family: str) -> Path:
+        if family == "qwen3_moe":
+            qwen: dict[str | None, Path] = request.getfixturevalue("tiny_qwen_models")
+            return qwen[None]
+        deepseek: dict[str, Path] = request.getfixturevalue("tiny_models")
+        return deepseek[family]
+
+    return of
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +79,7 @@ CASES = [
 @pytest.mark.timeout(1200)  # compile warm-ups: the native reference's and the roles'
 @pytest.mark.parametrize(("arch", "gate_on_attention", "num_attention"), CASES)
 def test_compiled_served_tokens_equal_native_compiled(
-    tiny_models: dict[str, Path],
-    tiny_qwen_models: dict[str | None, Path],
+    tiny_model_of: Callable[[str], Path],
     native_references: Any,
     tmp_path: Path,
     arch: str,
@@ -90,7 +90,7 @@ def test_compiled_served_tokens_equal_native_compiled(
     from afd.tools.client import complete_each
     from afd_moe_runners.exchange_op import COMPILED_LOG
 
-    model = tiny_qwen_models[None] if arch == "qwen3_moe" else tiny_models[arch]
+    model = tiny_model_of(arch)
     native = native_references.tokens(
         model, singles(PROMPTS), dtype="float32", llm_kwargs=COMPILED_SERVED
     )

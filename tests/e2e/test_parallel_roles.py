@@ -41,6 +41,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -208,12 +209,11 @@ def test_parallel_layout_served_tokens_equal_native(
     ep: int,
     gate: str,
     compiled: bool,
-    tiny_qwen_models: dict[str | None, Path],
-    tiny_models: dict[str, Path],
+    tiny_model_of: Callable[[str], Path],
     native_references: Any,
     tmp_path: Path,
 ) -> None:
-    model = tiny_qwen_models[None] if family == "qwen3_moe" else tiny_models[family]
+    model = tiny_model_of(family)
     # The reference: native vLLM at the attention TP size (Qwen3-MoE float32 gives the
     # same tokens at TP=1 and TP=2 natively; each is compared with its own). With the
     # gate on Attention under expert parallelism and one attention rank, the reference

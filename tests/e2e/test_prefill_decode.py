@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,14 +96,13 @@ def _serve_pd(spec: Path, tmp: Path) -> Served:
 def test_prefill_decode_with_afd_decode_equals_native_and_computes_one_token_per_request(
     family: str,
     gate_on_attention: bool,
-    tiny_models: dict[str, Path],
-    tiny_qwen_models: dict[str | None, Path],
+    tiny_model_of: Callable[[str], Path],
     native_references: Any,
     tmp_path: Path,
 ) -> None:
     from transformers import AutoTokenizer
 
-    model = tiny_qwen_models[None] if family == "qwen3_moe" else tiny_models[family]
+    model = tiny_model_of(family)
     spec = tmp_path / "spec.toml"
     spec.write_text(
         f'model = "{model}"\ndtype = "float32"\nenforce_eager = true\n'

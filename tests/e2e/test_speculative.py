@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,11 +119,10 @@ def test_ngram_speculative_decoding_equals_native(
     family: str,
     num_attention: int,
     gate_on_attention: bool,
-    tiny_models: dict[str, Path],
-    tiny_qwen_models: dict[str | None, Path],
+    tiny_model_of: Callable[[str], Path],
     tmp_path: Path,
 ) -> None:
-    model = tiny_qwen_models[None] if family == "qwen3_moe" else tiny_models[family]
+    model = tiny_model_of(family)
     args: list[Any] = ["--speculative-config", json.dumps(NGRAM)]
     common = (
         f'model = "{model}"\ndtype = "float32"\nenforce_eager = true\n'

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,11 +146,10 @@ CASES = [
 def test_each_ffn_rank_holds_exactly_its_checkpoint_experts(
     family: str,
     arch: str,
-    tiny_models: dict[str, Path],
-    tiny_qwen_models: dict[str | None, Path],
+    tiny_model_of: Callable[[str], Path],
     tmp_path: Path,
 ) -> None:
-    model = tiny_qwen_models[None] if family == "qwen3_moe" else tiny_models[family]
+    model = tiny_model_of(family)
     reports = {rank: _build(model, arch, tmp_path, rank) for rank in (None, *range(EP))}
     checkpoint = _checkpoint_values(model)
     # Every MoE layer of the model has its checkpoint experts, all distinct.

@@ -519,6 +519,38 @@ def test_hand_computed_cpu_threads_and_shared_exchange():
     assert crowded.layer_s - two.layer_s == pytest.approx(2e-3 - 5e-4)
 
 
+def test_ffn_ep_on_shared_cpus_pays_the_exchange_once_per_peer():
+    """Under FFN EP an attention rank exchanges with each FFN rank's plane in turn: on
+    CPUs the processes share (EP2 on 2 CPUs: crowded) the exchange's fixed cost is paid
+    once per FFN rank; where every process has CPUs of its own (4 CPUs), once."""
+    s = shape_from_config(SMALL)
+    cpu = dataclasses.replace(
+        ROUND,
+        kind="cpu",
+        cores=2,
+        attention_layer_s=1e-3,
+        ffn_layer_s=2e-3,
+        exchange_s=1e-4,
+        shared_exchange_s=5e-4,
+        crowded_exchange_s=2e-3,
+    )
+    w = Workload(batch=1, context=0)
+    ep2 = predict(s, cpu, Layout(1, 1, 2, True), w)
+    assert ep2.placement is not None and ep2.placement.crowded
+    assert ep2.bound == "exchange"
+    assert ep2.layer_s == pytest.approx(ep2.attention_s + ep2.ffn_s + 2 * ep2.transfer_s + 2 * 2e-3)
+    # without EP the one FFN peer pays it once (2A1F, also crowded)
+    two = predict(s, cpu, Layout(2, 1, 1), w)
+    assert two.layer_s == pytest.approx(two.attention_s + two.ffn_s + 2 * two.transfer_s + 2e-3)
+    # three processes on four CPUs: split_cpus gives each its own, nothing shared
+    roomy = predict(s, dataclasses.replace(cpu, cores=4), Layout(1, 1, 2, True), w)
+    assert roomy.placement is not None and not roomy.placement.shared
+    assert roomy.bound == "exchange"
+    assert roomy.layer_s == pytest.approx(
+        roomy.attention_s + roomy.ffn_s + 2 * roomy.transfer_s + 1e-4
+    )
+
+
 def test_step_outside_the_layers_depends_on_the_servers_cores():
     """The step outside the layers: step_* with the attention server on one CPU (1A1F
     m=2 on 2 CPUs), spread_step_* with it on both (2A1F: left to vLLM, unbound)."""

@@ -300,6 +300,10 @@ def predict(shape: ModelShape, hw: Hardware, layout: Layout, workload: Workload)
     tf = _ffn_s(shape, hw, rows, routed, held, True, cf)
     tc = _transfer_s(shape, hw, lay, tokens)
     x = hw.exchange_fixed_s(place.shared, place.crowded) if place else hw.exchange_s
+    if place is not None and place.shared and lay.ffn_ep:
+        # EP: an attention rank serves its FFN peers' planes one after the other; on
+        # shared CPUs each woken peer waits for a CPU another process holds: ξ per peer
+        x *= lay.num_ffn
     layer, bound = _overlap(ta, tf, tc, x, m)
     # dense layers: their MLP runs on FFN rank 0 for every token (exchange as well)
     dense_rows = tokens * lay.num_attention / (1 if lay.ffn_ep else lay.num_ffn)
