@@ -273,11 +273,13 @@ def _fake_calibration(
     layout: Layout | None = None,
     levels: tuple[int, ...] = (1, 4, 16),
     exchange_s: float | None = None,
+    send_s: float = 0.0,
 ) -> Path:
     """The files afd plan --calibrate's measurements write, from the model itself: the
     profile of a 1A1F ``layout`` (``run``: ``bench``, the turn-taking one, or
     ``bench-pinned``, one core per role; ``exchange_s``: the exchange's fixed cost instead
-    of the placement's, for ``bench-crowded``) and the copy bandwidth."""
+    of the placement's, for ``bench-crowded``; ``send_s``: the part of it the attention
+    spends sending, beyond one link transfer) and the copy bandwidth."""
     profile = {}
     for b in levels:
         p = predict(shape, hw, layout or Layout(), Workload(batch=b, context=context))
@@ -292,6 +294,7 @@ def _fake_calibration(
         step_s, step_token_s = hw.step_figures(place.server_cores > 1)
         fixed = hw.exchange_fixed_s(place.shared) if exchange_s is None else exchange_s
         wait = p.ffn_s + 2 * p.transfer_s + fixed
+        send = send_s + p.transfer_s if send_s else 0.0
         profile[str(b)] = {
             "processes": [
                 {
@@ -301,8 +304,8 @@ def _fake_calibration(
                     "tokens_first_layer_median": b,
                     "ms_per_step": {
                         "attention": p.attention_s * n * 1e3,
-                        "send": 0.0,
-                        "wait": wait * n * 1e3,
+                        "send": send * n * 1e3,
+                        "wait": (wait - send) * n * 1e3,
                         "step_gap": (step_s + step_token_s * b + head / speed) * 1e3,
                     },
                 },
@@ -421,8 +424,8 @@ def test_calibration_on_both_placements_recovers_the_cpu_terms(tmp_path):
     _fake_calibration(tmp_path, shape, truth, 48.0, "bench", Layout(), levels)
     pinned = Layout(own_cpus=True)
     _fake_calibration(tmp_path, shape, truth, 48.0, "bench-pinned", pinned, levels)
-    _fake_calibration(tmp_path, shape, truth, 48.0, "bench-crowded", pinned, levels, 1.5e-3)
-    truth = dataclasses.replace(truth, crowded_exchange_s=1.5e-3)
+    _fake_calibration(tmp_path, shape, truth, 48.0, "bench-crowded", pinned, levels, 1.5e-3, 0.4e-3)
+    truth = dataclasses.replace(truth, crowded_exchange_s=1.5e-3, crowded_send_s=0.4e-3)
     hw, points = fit(shape, tmp_path, context=48.0)
     assert points["per_core_run"] == "bench-pinned"
     assert hw.attention_thread_eff == pytest.approx(0.4, abs=0.02)
@@ -430,6 +433,7 @@ def test_calibration_on_both_placements_recovers_the_cpu_terms(tmp_path):
     assert hw.exchange_s == pytest.approx(0.1e-3, rel=0.05)
     assert hw.shared_exchange_s == pytest.approx(0.3e-3, rel=0.05)
     assert hw.crowded_exchange_s == pytest.approx(1.5e-3, rel=0.05)
+    assert hw.crowded_send_s == pytest.approx(0.4e-3, rel=0.05)
     assert hw.step_s == pytest.approx(5e-3, rel=0.02)
     assert hw.spread_step_s == pytest.approx(4e-3, rel=0.02)
     assert hw.spread_step_token_s == pytest.approx(0.05e-3, rel=0.05)
@@ -519,10 +523,11 @@ def test_hand_computed_cpu_threads_and_shared_exchange():
     assert crowded.layer_s - two.layer_s == pytest.approx(2e-3 - 5e-4)
 
 
-def test_ffn_ep_on_shared_cpus_pays_the_exchange_once_per_peer():
+def test_ffn_ep_on_shared_cpus_pays_for_each_further_peer():
     """Under FFN EP an attention rank exchanges with each FFN rank's plane in turn: on
-    CPUs the processes share (EP2 on 2 CPUs: crowded) the exchange's fixed cost is paid
-    once per FFN rank; where every process has CPUs of its own (4 CPUs), once."""
+    CPUs the processes share (EP2 on 2 CPUs: crowded) each further FFN rank adds the
+    attention's own side of an exchange (crowded_send_s), or the whole fixed cost again
+    where that is not measured; where every process has CPUs of its own (4 CPUs), once."""
     s = shape_from_config(SMALL)
     cpu = dataclasses.replace(
         ROUND,
@@ -539,6 +544,8 @@ def test_ffn_ep_on_shared_cpus_pays_the_exchange_once_per_peer():
     assert ep2.placement is not None and ep2.placement.crowded
     assert ep2.bound == "exchange"
     assert ep2.layer_s == pytest.approx(ep2.attention_s + ep2.ffn_s + 2 * ep2.transfer_s + 2 * 2e-3)
+    sent = predict(s, dataclasses.replace(cpu, crowded_send_s=3e-4), Layout(1, 1, 2, True), w)
+    assert sent.layer_s == pytest.approx(ep2.layer_s - 2e-3 + 3e-4)
     # without EP the one FFN peer pays it once (2A1F, also crowded)
     two = predict(s, cpu, Layout(2, 1, 1), w)
     assert two.layer_s == pytest.approx(two.attention_s + two.ffn_s + 2 * two.transfer_s + 2e-3)

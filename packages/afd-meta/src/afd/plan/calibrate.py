@@ -83,6 +83,8 @@ class _Level:
     ffn: float
     #: what the attention sends and waits beyond the FFN's compute
     exchange: float
+    #: the attention's send alone
+    send: float
     #: the step outside the layers (per step)
     gap: float
 
@@ -101,6 +103,7 @@ def _levels(path: Path) -> list[_Level]:
                 attention=ms_a["attention"] / n / 1e3,
                 ffn=ms_f["compute"] / n / 1e3,
                 exchange=(ms_a["send"] + ms_a["wait"] - ms_f["compute"]) / n / 1e3,
+                send=ms_a["send"] / n / 1e3,
                 gap=ms_a["step_gap"] / 1e3,
             )
         )
@@ -296,6 +299,11 @@ def fit(
             ca = statistics.median(lv.attention - a0 - variable_a(lv.batch) for lv in crowd)
             cf = statistics.median(lv.ffn - f0 - variable_f(lv.batch) for lv in crowd)
             figures["crowded_exchange_s"] = exchange(crowd) + max(0.0, ca) + max(0.0, cf)
+            # the attention's own side of it: its send beyond the link's transfer
+            figures["crowded_send_s"] = statistics.median(
+                max(0.0, lv.send - link_lat - lv.batch * h * shape.act_bytes / link_bw)
+                for lv in crowd
+            )
             thread_points["crowded"] = {
                 "levels": [dataclasses.asdict(lv) for lv in crowd],
                 "attention_fixed_s": ca,

@@ -79,6 +79,11 @@ class Hardware:
     #: the CPUs they run on (a woken role also waits for a CPU another process holds),
     #: instead of ``shared_exchange_s``. Negative: ``shared_exchange_s``.
     crowded_exchange_s: float = -1.0
+    #: CPU hosts, FFN EP where the role processes outnumber the CPUs: what each further
+    #: FFN rank adds to an attention rank's exchange (it serves the ranks' expert planes
+    #: in turn): the attention's own side of one crowded exchange, its send (which wakes
+    #: a process that takes a CPU). Negative: the whole fixed cost again per FFN rank.
+    crowded_send_s: float = -1.0
     #: CPU hosts: the step outside the layers (``step_s`` + ``step_token_s`` x batch) when
     #: the attention server's scheduler and API processes may use several cores; the
     #: ``step_*`` figures are those of an attention server confined to one core.
@@ -94,6 +99,14 @@ class Hardware:
         if crowded and self.crowded_exchange_s >= 0:
             return self.crowded_exchange_s
         return self.shared_exchange_s if shared and self.shared_exchange_s >= 0 else self.exchange_s
+
+    def peer_exchange_s(self, shared: bool, crowded: bool = False) -> float:
+        """What each further FFN rank adds to an attention rank's exchange under FFN EP
+        (``crowded_send_s`` where measured and the processes outnumber the CPUs, else
+        the whole fixed cost of :meth:`exchange_fixed_s`)."""
+        if crowded and self.crowded_send_s >= 0:
+            return self.crowded_send_s
+        return self.exchange_fixed_s(shared, crowded)
 
     def step_figures(self, spread: bool) -> tuple[float, float]:
         """(fixed, per token) time of a step outside the layers: with the attention

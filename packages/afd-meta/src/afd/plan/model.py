@@ -302,8 +302,8 @@ def predict(shape: ModelShape, hw: Hardware, layout: Layout, workload: Workload)
     x = hw.exchange_fixed_s(place.shared, place.crowded) if place else hw.exchange_s
     if place is not None and place.shared and lay.ffn_ep:
         # EP: an attention rank serves its FFN peers' planes one after the other; on
-        # shared CPUs each woken peer waits for a CPU another process holds: ξ per peer
-        x *= lay.num_ffn
+        # shared CPUs each further one wakes a process that needs a CPU another holds
+        x += (lay.num_ffn - 1) * hw.peer_exchange_s(place.shared, place.crowded)
     layer, bound = _overlap(ta, tf, tc, x, m)
     # dense layers: their MLP runs on FFN rank 0 for every token (exchange as well)
     dense_rows = tokens * lay.num_attention / (1 if lay.ffn_ep else lay.num_ffn)
