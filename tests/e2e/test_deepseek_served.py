@@ -46,10 +46,13 @@ def native_served(tiny_models: dict[str, Path], native_references: Any) -> Any:
 
 
 # An idle deployment must not die: one case runs with a short transfer timeout and sits
-# idle for several times that timeout halfway through its prompts (waiting for the next
-# step is not a transfer and has no deadline; a started step still has one).
-IDLE_TRANSFER_TIMEOUT_S = 3.0
-IDLE_S = 4 * IDLE_TRANSFER_TIMEOUT_S  # 12 s
+# idle for twice that timeout halfway through its prompts (waiting for the next step is
+# not a transfer and has no deadline; a started step still has one). The timeout is not
+# shorter because a started step must finish within it on a loaded CI host: at 3 s a CI
+# run (2026-12-06) lost the deployment when one DP rank's first step after the pause
+# started over 3 s after the other's (the other pytest worker was compiling).
+IDLE_TRANSFER_TIMEOUT_S = 8.0
+IDLE_S = 2 * IDLE_TRANSFER_TIMEOUT_S  # 16 s
 
 
 TOKEN = "served-test-deployment-token-0123456789"
