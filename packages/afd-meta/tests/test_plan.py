@@ -6,6 +6,7 @@ import dataclasses
 import json
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,7 +14,7 @@ from afd.cli import main
 from afd.launch.errors import SpecError
 from afd.plan.calibrate import fit, repeat_dirs
 from afd.plan.hardware import PRESETS, Hardware, hardware_toml, load_hardware
-from afd.plan.model import Layout, Workload, cpu_placement, experts_hit, predict
+from afd.plan.model import Layout, Prediction, Workload, cpu_placement, experts_hit, predict
 from afd.plan.search import Constraints, search
 from afd.plan.shapes import load_shape, shape_from_config
 from afd.plan.spec import plan_toml, validate_toml
@@ -485,22 +486,31 @@ def test_cpu_placement_is_the_launchers():
     assert (p.attention_cores, p.ffn_cores, p.shared) == (1, 2, False)
 
 
+def _hand_cpu(**figures: float) -> Hardware:
+    """A 2-core CPU host with round hand-computable figures (ROUND's rates; blocks' fixed
+    times 1 and 2 ms; exchange 0.1 ms, 0.5 ms on shared CPUs), plus ``figures``."""
+    base: dict[str, Any] = {
+        "kind": "cpu",
+        "cores": 2,
+        "attention_layer_s": 1e-3,
+        "ffn_layer_s": 2e-3,
+        "exchange_s": 1e-4,
+        "shared_exchange_s": 5e-4,
+    }
+    return dataclasses.replace(ROUND, **{**base, **figures})
+
+
+def _exchange_part(p: Prediction) -> float:
+    """What a round-trip-bound MoE layer spends beyond both blocks and two transfers."""
+    return p.layer_s - (p.attention_s + p.ffn_s + 2 * p.transfer_s)
+
+
 def test_hand_computed_cpu_threads_and_shared_exchange():
     """A block on e cores: its fixed time + its one-core variable time / (1 + eff (e - 1));
     two processes on one CPU: both stretched by 2. The exchange costs
     shared_exchange_s where role processes share CPUs, exchange_s where they do not."""
     s = shape_from_config(SMALL)
-    cpu = dataclasses.replace(
-        ROUND,
-        kind="cpu",
-        cores=2,
-        attention_layer_s=1e-3,
-        ffn_layer_s=2e-3,
-        exchange_s=1e-4,
-        shared_exchange_s=5e-4,
-        attention_thread_eff=0.5,
-        ffn_thread_eff=0.25,
-    )
+    cpu = _hand_cpu(attention_thread_eff=0.5, ffn_thread_eff=0.25)
     w = Workload(batch=1, context=0)
     turns = predict(s, cpu, Layout(), w)
     pinned = predict(s, cpu, Layout(own_cpus=True), w)
@@ -508,17 +518,13 @@ def test_hand_computed_cpu_threads_and_shared_exchange():
     assert pinned.attention_s == pytest.approx(1e-3 + 8.388608e-3)
     assert turns.attention_s == pytest.approx(1e-3 + 8.388608e-3 / 1.5)
     assert turns.ffn_s == pytest.approx(2e-3 + 6.30784e-3 / 1.25)
-    assert pinned.layer_s == pytest.approx(
-        pinned.attention_s + pinned.ffn_s + 2 * pinned.transfer_s + 1e-4
-    )
-    assert turns.layer_s == pytest.approx(
-        turns.attention_s + turns.ffn_s + 2 * turns.transfer_s + 5e-4
-    )
+    assert _exchange_part(pinned) == pytest.approx(1e-4)
+    assert _exchange_part(turns) == pytest.approx(5e-4)
     # 2A1F on 2 CPUs: both attention workers on CPU 0 take twice as long; three
     # processes on two CPUs pay the crowded exchange cost where the figures have one
     two = predict(s, cpu, Layout(2, 1, 1), w)
     assert two.attention_s == pytest.approx(2 * (1e-3 + 8.388608e-3))
-    assert two.layer_s == pytest.approx(two.attention_s + two.ffn_s + 2 * two.transfer_s + 5e-4)
+    assert _exchange_part(two) == pytest.approx(5e-4)
     crowded = predict(s, dataclasses.replace(cpu, crowded_exchange_s=2e-3), Layout(2, 1, 1), w)
     assert crowded.layer_s - two.layer_s == pytest.approx(2e-3 - 5e-4)
 
@@ -529,33 +535,21 @@ def test_ffn_ep_on_shared_cpus_pays_for_each_further_peer():
     attention's own side of an exchange (crowded_send_s), or the whole fixed cost again
     where that is not measured; where every process has CPUs of its own (4 CPUs), once."""
     s = shape_from_config(SMALL)
-    cpu = dataclasses.replace(
-        ROUND,
-        kind="cpu",
-        cores=2,
-        attention_layer_s=1e-3,
-        ffn_layer_s=2e-3,
-        exchange_s=1e-4,
-        shared_exchange_s=5e-4,
-        crowded_exchange_s=2e-3,
-    )
+    cpu = _hand_cpu(crowded_exchange_s=2e-3)
     w = Workload(batch=1, context=0)
     ep2 = predict(s, cpu, Layout(1, 1, 2, True), w)
     assert ep2.placement is not None and ep2.placement.crowded
     assert ep2.bound == "exchange"
-    assert ep2.layer_s == pytest.approx(ep2.attention_s + ep2.ffn_s + 2 * ep2.transfer_s + 2 * 2e-3)
+    assert _exchange_part(ep2) == pytest.approx(2 * 2e-3)
     sent = predict(s, dataclasses.replace(cpu, crowded_send_s=3e-4), Layout(1, 1, 2, True), w)
-    assert sent.layer_s == pytest.approx(ep2.layer_s - 2e-3 + 3e-4)
+    assert _exchange_part(sent) == pytest.approx(2e-3 + 3e-4)
     # without EP the one FFN peer pays it once (2A1F, also crowded)
-    two = predict(s, cpu, Layout(2, 1, 1), w)
-    assert two.layer_s == pytest.approx(two.attention_s + two.ffn_s + 2 * two.transfer_s + 2e-3)
+    assert _exchange_part(predict(s, cpu, Layout(2, 1, 1), w)) == pytest.approx(2e-3)
     # three processes on four CPUs: split_cpus gives each its own, nothing shared
     roomy = predict(s, dataclasses.replace(cpu, cores=4), Layout(1, 1, 2, True), w)
     assert roomy.placement is not None and not roomy.placement.shared
     assert roomy.bound == "exchange"
-    assert roomy.layer_s == pytest.approx(
-        roomy.attention_s + roomy.ffn_s + 2 * roomy.transfer_s + 1e-4
-    )
+    assert _exchange_part(roomy) == pytest.approx(1e-4)
 
 
 def test_step_outside_the_layers_depends_on_the_servers_cores():
