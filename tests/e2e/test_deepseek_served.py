@@ -46,13 +46,17 @@ def native_served(tiny_models: dict[str, Path], native_references: Any) -> Any:
 
 
 # An idle deployment must not die: one case runs with a short transfer timeout and sits
-# idle for twice that timeout halfway through its prompts (waiting for the next step is
-# not a transfer and has no deadline; a started step still has one). The timeout is not
-# shorter because a started step must finish within it on a loaded CI host: at 3 s a CI
-# run (2026-12-06) lost the deployment when one DP rank's first step after the pause
-# started over 3 s after the other's (the other pytest worker was compiling).
-IDLE_TRANSFER_TIMEOUT_S = 8.0
-IDLE_S = 2 * IDLE_TRANSFER_TIMEOUT_S  # 16 s
+# idle for longer than that timeout halfway through its prompts (waiting for the next step
+# is not a transfer and has no deadline; a started step still has one). The timeout is not
+# shorter because a started step must finish within it on a loaded CI host, where the
+# first step after the pause can stall for seconds in one of the roles: two CI runs
+# (2026-12-06) lost the deployment there, at 3 s and at 8 s, while the other pytest
+# worker ran compiled deployments (a DP rank's step waits for the FFN, which waits for
+# the other DP rank's frame of the same step). Not reproduced by hand (CPU hogs pinned to
+# the roles' core, two compiled tests beside it): a failing completion now carries both
+# roles' logs.
+IDLE_TRANSFER_TIMEOUT_S = 30.0
+IDLE_S = IDLE_TRANSFER_TIMEOUT_S + 6.0  # 36 s: any bounded wait for the next step would fire
 
 
 TOKEN = "served-test-deployment-token-0123456789"

@@ -641,6 +641,18 @@ def run_offline_afd(
     return result, ffn.output
 
 
+def _complete_or_show_logs(attention: Server, ffn: RoleProcess, prompt: str) -> list[int]:
+    """``attention.complete(prompt)``; when it fails (an HTTP 500 names no cause), the
+    failure carries the end of both roles' logs, where the cause is."""
+    try:
+        return attention.complete(prompt)
+    except (RuntimeError, OSError) as exc:
+        raise AssertionError(
+            f"{exc}\n--- Attention role's log (end) ---\n{attention.output[-6000:]}"
+            f"\n--- FFN role's log (end) ---\n{ffn.output[-4000:]}"
+        ) from None
+
+
 def run_served_afd(
     model: Path,
     afd: dict[str, Any],
@@ -662,7 +674,7 @@ def run_served_afd(
         ffn.wait_ready()
         attention.wait_ready()
         half = len(prompts) // 2 if idle_s or between else len(prompts)
-        got = [attention.complete(p) for p in prompts[:half]]
+        got = [_complete_or_show_logs(attention, ffn, p) for p in prompts[:half]]
         if between is not None:
             between(afd)
         if idle_s or between:
@@ -671,7 +683,7 @@ def run_served_afd(
                 assert role.returncode() is None, (
                     f"a role exited while the deployment was idle:\n{role.output[-3000:]}"
                 )
-            got += [attention.complete(p) for p in prompts[half:]]
+            got += [_complete_or_show_logs(attention, ffn, p) for p in prompts[half:]]
         stop_cleanly(attention, ffn)
     finally:
         attention.kill()
