@@ -109,6 +109,23 @@ def test_explicit_timeout_overrides_the_config_default() -> None:
     ffn.close()
 
 
+def test_a_timeout_on_a_shared_ffn_rank_says_the_other_attention_ranks_count() -> None:
+    # 2A1F: attention rank 0 sent, rank 1 did not; the FFN rank cannot answer, and rank 0's
+    # error says why its wait includes rank 1. 1A1F: no such note.
+    attns, (ffn,) = make_pair(a=2, f=1)
+    attns[0].send_to_ffn(AttentionToFFN(torch.zeros(1, 4)), layer_idx=0)
+    with pytest.raises(AFDTimeoutError, match=r"once all 2 of its attention ranks sent"):
+        attns[0].recv_from_ffn(layer_idx=0, timeout_s=0.2)
+    for c in [*attns, ffn]:
+        c.close()
+    (attn,), (ffn,) = make_pair()
+    with pytest.raises(AFDTimeoutError) as err:
+        attn.recv_from_ffn(layer_idx=0, timeout_s=0.2)
+    assert "attention ranks" not in str(err.value)
+    attn.close()
+    ffn.close()
+
+
 def test_peer_closing_makes_receives_and_sends_raise_peer_lost() -> None:
     (attn,), (ffn,) = make_pair()
     attn.send_to_ffn(AttentionToFFN(torch.zeros(1, 4)), layer_idx=0)

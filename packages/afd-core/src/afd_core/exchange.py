@@ -228,6 +228,27 @@ class TransferContext:
         return AFDTimeoutError(
             f"{c.label}: {self.action} {c.describe(self.peer)} timed out after "
             f"{self.timeout:g} s (timeout_s argument or afd.transfer_timeout_s){note}"
+            f"{self._shared_ffn_note()}"
+        )
+
+    def _shared_ffn_note(self) -> str:
+        """For an attention rank's receive from an FFN rank that other attention ranks
+        share: that FFN rank answers a layer only once every one of them sent its part,
+        so the wait includes the others' lateness (not only the FFN rank's work)."""
+        c = self.connector
+        if c.role is not AFDRole.ATTENTION or not self.action.startswith("receiving"):
+            return ""
+        role, rank = c.topology.role_rank_of(self.peer)
+        if role is not AFDRole.FFN:
+            return ""
+        sharing = c.topology.fan_in(rank)
+        if sharing < 2:
+            return ""
+        return (
+            f"; {c.describe(self.peer)} answers a layer once all {sharing} of its attention "
+            "ranks sent their part, so a late or stalled attention rank (a data-parallel "
+            "rank whose step started later, a process starved of CPU) times out the others: "
+            "keep afd.transfer_timeout_s well above a step's time on a loaded host"
         )
 
     def lost_error(self, detail: str = "") -> AFDPeerLostError:
