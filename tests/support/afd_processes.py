@@ -633,12 +633,19 @@ def run_offline_afd(
             )
         except AssertionError as exc:
             # the Attention role's failure may come from its peer: show both
-            ffn_log = ffn.output[-3000:]
-            raise AssertionError(f"{exc}\n--- FFN role's log (end) ---\n{ffn_log}") from None
+            raise AssertionError(f"{exc}{role_logs(FFN=ffn)}") from None
         assert ffn.wait_exit(timeout=30) == 0, ffn.output[-3000:]
     finally:
         ffn.kill()
     return result, ffn.output
+
+
+def role_logs(tail: int = 4000, **roles: RoleProcess) -> str:
+    """The end (``tail`` characters) of each role's log, headed by its name, for a
+    failure message whose cause may be in a role process."""
+    return "".join(
+        f"\n--- {name} role's log (end) ---\n{role.output[-tail:]}" for name, role in roles.items()
+    )
 
 
 def _complete_or_show_logs(attention: Server, ffn: RoleProcess, prompt: str) -> list[int]:
@@ -647,10 +654,7 @@ def _complete_or_show_logs(attention: Server, ffn: RoleProcess, prompt: str) -> 
     try:
         return attention.complete(prompt)
     except (RuntimeError, OSError) as exc:
-        raise AssertionError(
-            f"{exc}\n--- Attention role's log (end) ---\n{attention.output[-6000:]}"
-            f"\n--- FFN role's log (end) ---\n{ffn.output[-4000:]}"
-        ) from None
+        raise AssertionError(f"{exc}{role_logs(6000, Attention=attention, FFN=ffn)}") from None
 
 
 def run_served_afd(
